@@ -1,0 +1,282 @@
+"""Configuration: YAML sections loaded into frozen dataclasses, then environment overrides.
+
+Precedence, lowest first: dataclass defaults < YAML file < environment variables (the table
+:data:`ENV_VARS`, the only place the environment is read) < explicit keyword overrides.
+
+Unknown YAML keys are errors that list the known keys: a typo must not be silently ignored.
+``device="auto"``/``dtype="auto"`` are resolved when a backend loads (:mod:`engine.devices`),
+so commands that only read the store never import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping
+
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "BackendConfig",
+    "GenerationConfig",
+    "IngestConfig",
+    "RaylensConfig",
+    "EnvVar",
+    "ENV_VARS",
+    "load_config",
+    "default_config_path",
+    "parse_bool",
+]
+
+DeviceName = str  # "auto" | "cpu" | "mps" | "cuda" | "cuda:N"
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _check_device(device: str) -> None:
+    base, _, index = device.partition(":")
+    if base not in ("auto", "cpu", "mps", "cuda") or (index and (base != "cuda" or not index.isdigit())):
+        raise ConfigError(
+            f"`device` must be one of auto, cpu, mps, cuda, cuda:N, got {device!r}",
+            parameter="device",
+            value=device,
+        )
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Which model runs where, and which internals are exposed to mods.
+
+    ``hidden_state_layer`` is the layer whose residual-stream output (and attention pattern)
+    events carry; its upper bound depends on the model and is checked when the model loads.
+    """
+
+    backend_type: Literal["huggingface"] = "huggingface"
+    model_id: str = "meta-llama/Llama-3.1-8B-Instruct"
+    device: DeviceName = "auto"
+    dtype: DType = "auto"
+    hidden_state_layer: int = 16
+    extract_attention: bool = True
+    extract_hidden_states: bool = True
+    model_cache_dir: str | None = None  # where embedded models are converted to; None: user cache dir
+    hf_token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.backend_type != "huggingface":
+            raise ConfigError(f"`backend_type` must be 'huggingface', got {self.backend_type!r}",
+                              parameter="backend_type", value=self.backend_type)
+        if not self.model_id:
+            raise ConfigError("`model_id` must be a non-empty string", parameter="model_id", value=self.model_id)
+        _check_device(self.device)
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"`dtype` must be one of {', '.join(_DTYPES)}, got {self.dtype!r}",
+                              parameter="dtype", value=self.dtype)
+        if self.hidden_state_layer < 0:
+            raise ConfigError(f"`hidden_state_layer` must be >= 0, got {self.hidden_state_layer}",
+                              parameter="hidden_state_layer", value=self.hidden_state_layer)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Default sampling parameters; every one can be overridden per request.
+
+    ``top_k = 0`` and ``top_p = 1`` disable those filters; ``temperature = 0`` is greedy.
+    ``step_limit`` bounds loop iterations, because Backtrack can erase tokens and a mod could
+    otherwise keep a request alive forever (None: ``4 * max_tokens + 64``).
+    """
+
+    max_tokens: int = 2048
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 50
+    stop_tokens: tuple[int, ...] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    step_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_tokens", self.max_tokens >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0, ">= 0 (0 is greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 disables top-k)"),
+            ("step_limit", self.step_limit is None or self.step_limit >= 1, ">= 1 or null"),
+        ]
+        for name, ok, constraint in checks:
+            if not ok:
+                value = getattr(self, name)
+                raise ConfigError(f"`{name}` must be {constraint}, got {value!r}", parameter=name, value=value)
+
+    @property
+    def effective_step_limit(self) -> int:
+        return self.step_limit if self.step_limit is not None else 4 * self.max_tokens + 64
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """Where per-request observability payloads go.
+
+    ``url`` None: payloads are built (``GenerationResult.payload``) but not sent. Failed sends
+    are written to ``spool_dir`` and replayed later, never dropped.
+    """
+
+    url: str | None = None
+    timeout_s: float = 5.0
+    retries: int = 3
+    spool_dir: str = "./artifacts/ingest-spool"
+
+    def __post_init__(self) -> None:
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"`ingest.url` must start with http:// or https://, got {self.url!r}",
+                              parameter="url", value=self.url)
+        if self.timeout_s <= 0:
+            raise ConfigError(f"`ingest.timeout_s` must be > 0, got {self.timeout_s}",
+                              parameter="timeout_s", value=self.timeout_s)
+        if self.retries < 0:
+            raise ConfigError(f"`ingest.retries` must be >= 0, got {self.retries}",
+                              parameter="retries", value=self.retries)
+
+
+@dataclass(frozen=True)
+class RaylensConfig:
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    source: str | None = None  # the YAML file it came from, for messages
+
+
+# ----------------------------------------------------------------------------------- environment
+
+
+def parse_bool(text: str) -> bool:
+    """The one bool parser for environment values."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false/1/0, got {text!r}")
+
+
+def _optional_str(text: str) -> str | None:
+    return text or None
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    target: str  # "section.field"
+    parse: Callable[[str], Any]
+    doc: str
+
+
+#: Every environment variable raylens reads. Later entries win over earlier ones for one field.
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("MODEL_ID", "backend.model_id", str, "legacy alias of CONCORDANCE_MODEL"),
+    EnvVar("CONCORDANCE_MODEL", "backend.model_id", str,
+           "model: a hub id, a local directory, or embedded:smollm2-135m-instruct"),
+    EnvVar("CONCORDANCE_DEVICE", "backend.device", str, "auto | cpu | mps | cuda | cuda:N"),
+    EnvVar("CONCORDANCE_HIDDEN_LAYER", "backend.hidden_state_layer", int,
+           "layer whose hidden states and attention events carry"),
+    EnvVar("RAYLENS_MODEL_CACHE", "backend.model_cache_dir", str,
+           "directory for converted embedded models"),
+    EnvVar("HF_TOKEN", "backend.hf_token", _optional_str, "HuggingFace token for gated hub models"),
+    EnvVar("QUOTE_LOG_INGEST_URL", "ingest.url", _optional_str,
+           "ingest endpoint (e.g. http://localhost:6767/v1/ingest); empty: do not send"),
+    EnvVar("QUOTE_LOG_INGEST_TIMEOUT", "ingest.timeout_s", float, "seconds per ingest POST"),
+    EnvVar("RAYLENS_INGEST_SPOOL", "ingest.spool_dir", str, "where unsent payloads wait"),
+)
+
+_SECTIONS: dict[str, type] = {"backend": BackendConfig, "generation": GenerationConfig, "ingest": IngestConfig}
+
+
+def default_config_path() -> Path:
+    """``RAYLENS_CONFIG`` if set, else ``configs/local.yaml`` of this checkout."""
+    env = os.environ.get("RAYLENS_CONFIG")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
+
+
+def _coerce(section: str, cls: type, key: str, value: Any) -> Any:
+    """Check a YAML value against the field's annotation; lists become tuples."""
+    hints = typing.get_type_hints(cls)
+    hint = hints[key]
+    args = typing.get_args(hint)
+    allowed = args if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    for option in allowed:
+        origin = typing.get_origin(option)
+        if origin is tuple and isinstance(value, (list, tuple)):
+            return tuple(int(v) for v in value)
+        if origin is Literal and value in typing.get_args(option):
+            return value
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option in (int, str, bool) and type(value) is option:
+            return value
+    raise ConfigError(f"`{section}.{key}` must be {hint}, got {value!r}", parameter=f"{section}.{key}", value=value)
+
+
+def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(f'{section}.{k}' for k in unknown)}; known keys of `{section}`: "
+            f"{', '.join(known)}",
+            parameter=section,
+            value=unknown,
+        )
+    return cls(**{k: _coerce(section, cls, k, v) for k, v in values.items()})
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file `{path}` does not exist; pass --config PATH or set RAYLENS_CONFIG",
+                          parameter="config", value=str(path))
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file `{path}` is not valid YAML: {err}", parameter="config") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file `{path}` must hold a mapping of sections", parameter="config")
+    unknown = sorted(set(data) - set(_SECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown section(s) {', '.join(unknown)} in `{path}`; known: {', '.join(_SECTIONS)}",
+                          parameter="config", value=unknown)
+    return data
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> RaylensConfig:
+    """Load a config file (default: :func:`default_config_path`), then apply env and overrides."""
+    env = os.environ if env is None else env
+    config_path = Path(path) if path is not None else default_config_path()
+    raw = _read_yaml(config_path)
+    sections: dict[str, dict[str, Any]] = {name: dict(raw.get(name) or {}) for name in _SECTIONS}
+    for var in ENV_VARS:
+        if var.name in env:
+            section, key = var.target.split(".")
+            try:
+                sections[section][key] = var.parse(env[var.name])
+            except ValueError as err:
+                raise ConfigError(f"environment variable {var.name} ({var.doc}): {err}",
+                                  parameter=var.name, value=env[var.name]) from None
+    for section, values in (overrides or {}).items():
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}; known: {', '.join(_SECTIONS)}")
+        sections[section].update(values)
+    built = {name: _build_section(name, cls, sections[name]) for name, cls in _SECTIONS.items()}
+    return RaylensConfig(**built, source=str(config_path))

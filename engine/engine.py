@@ -1,0 +1,218 @@
+"""``Engine``: the in-process entry point — a loaded backend plus requests in, results out.
+
+This is the "server layer" of seed 000: it validates a request, applies the chat template,
+resolves mods, runs :func:`engine.generation.run_generation`, decodes text, builds the ingest
+payload and (when an ingest URL is configured) delivers it. One Engine serves concurrent
+``generate`` calls from several threads; each request has its own KV cache, generator, mod
+manager and mod-log capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from mods.legacy_names import install_legacy_names
+from mods.loading import ModSpec, resolve_mods
+from mods.manager import ModManager, mod_name
+from mods.types import ModEvent
+
+from .backends import Backend, create_backend
+from .config import GenerationConfig, RaylensConfig, load_config
+from .errors import ConfigError, InvalidRequestError
+from .generation import GenerationRequest, run_generation
+from .ingest_client import IngestClient
+from .ingest_payload import PayloadRecorder
+from .result import FinishReason, GenerationResult
+from .sampling import SamplingParams
+from .tensor import TensorShim
+
+__all__ = ["Engine"]
+
+
+def _check_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("`messages` must be a non-empty list of {role, content} objects",
+                                  parameter="messages", value=type(messages).__name__)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"`messages[{i}]` must be an object with a string `role`, got {message!r}",
+                                      parameter=f"messages[{i}]", value=message)
+    return messages
+
+
+class Engine:
+    def __init__(self, config: RaylensConfig, *, backend: Backend | None = None) -> None:
+        self.config = config
+        self.backend = backend if backend is not None else create_backend(config.backend)
+        install_legacy_names(tensor_class=TensorShim)
+        self._ingest = IngestClient(config.ingest) if config.ingest.url else None
+        self._active: set[str] = set()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, path: str | Path | None = None, *,
+                    overrides: Mapping[str, Mapping[str, Any]] | None = None) -> "Engine":
+        """Load ``configs/local.yaml`` (or ``path``/``RAYLENS_CONFIG``) with env overrides, then the model."""
+        return cls(load_config(path, overrides=overrides))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.backend.tokenizer()
+
+    def close(self) -> None:
+        if self._ingest is not None:
+            self._ingest.close()
+        self.backend.shutdown()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------- requests
+
+    def encode(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
+               input_ids: Sequence[int] | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids for exactly one of ``prompt`` (a user turn), ``messages`` or ``input_ids``."""
+        given = [name for name, value in (("prompt", prompt), ("messages", messages), ("input_ids", input_ids))
+                 if value is not None]
+        if len(given) != 1:
+            raise InvalidRequestError(f"give exactly one of prompt, messages, input_ids; got {given or 'none'}",
+                                      parameter="prompt")
+        if input_ids is not None:
+            if isinstance(input_ids, (str, bytes)) or not all(isinstance(t, int) for t in input_ids):
+                raise InvalidRequestError("`input_ids` must be a list of ints", parameter="input_ids")
+            if not input_ids:
+                raise InvalidRequestError("`input_ids` must not be empty", parameter="input_ids", value=[])
+            return [int(t) for t in input_ids]
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise InvalidRequestError("`prompt` must be a non-empty string", parameter="prompt", value=prompt)
+            messages = [{"role": "user", "content": prompt}]
+        tokenizer = self.tokenizer
+        messages = _check_messages(messages)
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        if prompt is not None:
+            return list(tokenizer.encode(prompt))
+        raise InvalidRequestError("this model's tokenizer has no chat template; pass `prompt` or `input_ids`",
+                                  parameter="messages")
+
+    def _generation_config(self, **overrides: Any) -> GenerationConfig:
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "stop_tokens" in given:
+            given["stop_tokens"] = tuple(int(t) for t in given["stop_tokens"])
+        try:
+            return dataclasses.replace(self.config.generation, **given)
+        except ConfigError as err:
+            raise InvalidRequestError(str(err), parameter=err.parameter, value=err.value) from None
+
+    def _claim(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._active:
+                raise InvalidRequestError(f"request id {request_id!r} is already running", parameter="request_id",
+                                          value=request_id)
+            self._active.add(request_id)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: Sequence[int] | None = None,
+        mods: Sequence[ModSpec] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop_tokens: Sequence[int] | None = None,
+        ignore_eos: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        request_id: str | None = None,
+        on_event: Callable[[ModEvent], None] | None = None,
+    ) -> GenerationResult:
+        """Generate one completion. Exactly one of ``prompt``, ``messages``, ``input_ids``.
+
+        ``mods``: callables, ``.py`` paths (``path.py:function`` picks one) or payload dicts,
+        called in order. Unset sampling parameters come from the config's ``generation`` section.
+        """
+        gen = self._generation_config(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                      seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+        ids = self.encode(prompt, messages=messages, input_ids=input_ids, tools=tools)
+        loaded = resolve_mods(mods)
+        request_id = request_id or str(uuid.uuid4())
+        info = self.backend.info
+        stop_ids = frozenset(gen.stop_tokens or ()) | (frozenset() if gen.ignore_eos else frozenset(info.eos_token_ids))
+        request = GenerationRequest(
+            request_id=request_id, input_ids=tuple(ids), max_tokens=gen.max_tokens,
+            sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k), stop_ids=stop_ids,
+            step_limit=gen.effective_step_limit, seed=gen.seed,
+        )
+        user_prompt = prompt if prompt is not None else next(
+            (m.get("content") for m in messages or [] if m.get("role") == "user" and isinstance(m.get("content"), str)),
+            None)
+        recorder = PayloadRecorder(request_id, tokenizer=self.tokenizer, request={
+            "model": info.model_id[:255],
+            "max_tokens": gen.max_tokens,
+            "temperature": gen.temperature,
+            "mod_text": ", ".join(mod_name(m) for m in loaded) or None,
+            "active_mod_name": mod_name(loaded[-1])[:255] if loaded else None,
+            "user_prompt": user_prompt,
+            "user_prompt_token_ids": self.tokenizer.encode(user_prompt, add_special_tokens=False)
+            if user_prompt else None,
+        })
+        self._claim(request_id)
+        started = time.perf_counter()
+        try:
+            state = run_generation(self.backend, request, ModManager(loaded, tokenizer=self.tokenizer), recorder,
+                                   on_event=on_event)
+        finally:
+            self.backend.release(request_id)
+            with self._lock:
+                self._active.discard(request_id)
+        elapsed_ms = (time.perf_counter() - started) * 1000.0
+        return self._result(state, recorder, elapsed_ms)
+
+    def _result(self, state: Any, recorder: PayloadRecorder, elapsed_ms: float) -> GenerationResult:
+        tokens = state.forced_output if state.forced_output is not None else state.generated
+        stop = state.request.stop_ids
+        output_ids = [t for t in tokens if t not in stop]
+        if state.finish is FinishReason.TOOL_CALLS:
+            output_ids = []
+        output_text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        payload = recorder.build(final_ids=output_ids, final_text=output_text, finish_reason=str(state.finish),
+                                 prompt_tokens=len(state.prompt_ids),
+                                 extra={"tool_calls": state.tool_calls, "error": state.error})
+        info = self.backend.info
+        decode_ms = max(elapsed_ms - state.prefill_ms, 1e-9)
+        metadata: dict[str, Any] = {
+            "request_id": state.request_id,
+            "backend": self.config.backend.backend_type,
+            "model_id": info.model_id,
+            "device": info.device,
+            "dtype": info.dtype,
+            "layer": self.config.backend.hidden_state_layer,
+            "prompt_tokens": len(state.prompt_ids),
+            "generated_tokens": len(state.generated),
+            "steps": state.step,
+            "prefill_ms": round(state.prefill_ms, 3),
+            "total_ms": round(elapsed_ms, 3),
+            "tokens_per_s": round(len(state.generated) / (decode_ms / 1000.0), 3),
+        }
+        if self._ingest is not None:
+            delivery = self._ingest.send(payload)
+            metadata["ingest"] = {"delivered": delivery.delivered, "spooled_to": delivery.spooled_to}
+        return GenerationResult(
+            request_id=state.request_id, prompt_ids=list(state.prompt_ids), output_ids=output_ids,
+            output_text=output_text, finish_reason=state.finish, events=state.events, actions=state.actions,
+            ignored_actions=state.ignored, payload=payload, metadata=metadata, tool_calls=state.tool_calls,
+            error=state.error,
+        )

@@ -1,0 +1,67 @@
+"""Typed errors, one per failure kind, under :class:`RaylensError`.
+
+Messages follow one shape — "`<name>` must be <constraint>, got <value>." plus the fix — and
+carry ``parameter``/``value`` so the CLI and APIs can map them without parsing text. Validation
+errors are also ``ValueError`` so existing ``except ValueError`` handlers keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "RaylensError",
+    "ConfigError",
+    "DeviceUnavailableError",
+    "LayerOutOfRangeError",
+    "ModelLoadError",
+    "InvalidRequestError",
+    "TokenOutOfVocabularyError",
+    "ContextOverflowError",
+    "IngestError",
+]
+
+
+class RaylensError(Exception):
+    """Base of every error raylens raises on purpose. ``recoverable``: retrying may succeed."""
+
+    recoverable = False
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+
+class ConfigError(RaylensError, ValueError):
+    """A config file, key, value or environment variable is wrong. Fix the config; not recoverable."""
+
+
+class DeviceUnavailableError(ConfigError):
+    """The configured device does not exist on this machine."""
+
+
+class LayerOutOfRangeError(ConfigError):
+    """A layer index is outside the model's layers."""
+
+
+class ModelLoadError(RaylensError):
+    """The model or tokenizer could not be found, converted or loaded."""
+
+
+class InvalidRequestError(RaylensError, ValueError):
+    """A generation request is malformed (empty prompt, bad parameter). Fix the request."""
+
+
+class TokenOutOfVocabularyError(InvalidRequestError):
+    """A token id is outside ``[0, vocab_size)``."""
+
+
+class ContextOverflowError(InvalidRequestError):
+    """The prompt does not fit the model's context window."""
+
+
+class IngestError(RaylensError):
+    """The ingest backend refused or could not take a payload (the payload is spooled, not lost)."""
+
+    recoverable = True

@@ -1,0 +1,136 @@
+"""Delivering ingest payloads: one pooled httpx client, retries, and a disk spool.
+
+Retry policy: httpx's transport retries only connection errors, so this loop retries connect
+and read failures, 5xx and 429 (honouring ``Retry-After`` up to a cap) with exponential backoff.
+A payload that still cannot be delivered is written to the spool directory and replayed after
+the next successful delivery (or by :meth:`IngestClient.replay_spool`). A 4xx other than 429
+means the backend rejects the payload itself: it goes to ``<spool>/rejected/`` with the
+response, for a person to look at. Nothing is dropped.
+
+Delivery is at-least-once: the backend upserts by ``request_id``, so a replay after an
+ambiguous failure is harmless.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .config import IngestConfig
+
+__all__ = ["IngestClient", "Delivery", "spool_path"]
+
+log = logging.getLogger("raylens.ingest")
+
+_MAX_BACKOFF_S = 2.0
+_MAX_RETRY_AFTER_S = 5.0
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What became of one payload."""
+
+    request_id: str
+    delivered: bool
+    status: int | None = None
+    spooled_to: str | None = None
+    error: str | None = None
+
+
+def spool_path(spool_dir: str | Path, request_id: str, *, rejected: bool = False) -> Path:
+    """The spool file of a request (request ids are sanitised; they are not trusted as paths)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)[:120] or "request"
+    root = Path(spool_dir) / "rejected" if rejected else Path(spool_dir)
+    return root / f"{safe}.json"
+
+
+def _write_atomic(path: Path, payload: dict[str, Any], note: str | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    body = payload if note is None else {"payload": payload, "rejected_because": note}
+    staging.write_text(json.dumps(body), encoding="utf-8")
+    staging.replace(path)
+
+
+class IngestClient:
+    def __init__(self, config: IngestConfig, *, transport: httpx.BaseTransport | None = None) -> None:
+        if not config.url:
+            raise ValueError("IngestClient needs ingest.url (QUOTE_LOG_INGEST_URL)")
+        self.config = config
+        self._client = httpx.Client(timeout=httpx.Timeout(config.timeout_s, connect=min(2.0, config.timeout_s)),
+                                    transport=transport, headers={"Content-Type": "application/json"})
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "IngestClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _post(self, payload: dict[str, Any]) -> tuple[int | None, str | None, bool]:
+        """One delivery with retries → (status, error, retryable)."""
+        error: str | None = None
+        status: int | None = None
+        for attempt in range(self.config.retries + 1):
+            delay = min(_MAX_BACKOFF_S, 0.25 * 2**attempt)
+            try:
+                response = self._client.post(self.config.url, content=json.dumps(payload))
+            except httpx.TransportError as err:
+                status, error = None, f"{type(err).__name__}: {err}"
+            else:
+                status = response.status_code
+                if status < 300:
+                    return status, None, False
+                error = f"HTTP {status}: {response.text[:500]}"
+                if status != 429 and status < 500:
+                    return status, error, False
+                retry_after = response.headers.get("Retry-After", "")
+                if retry_after.replace(".", "", 1).isdigit():
+                    delay = min(_MAX_RETRY_AFTER_S, float(retry_after))
+            if attempt < self.config.retries:
+                time.sleep(delay)
+        return status, error, True
+
+    def send(self, payload: dict[str, Any]) -> Delivery:
+        request_id = str(payload.get("request", {}).get("request_id", "request"))
+        status, error, retryable = self._post(payload)
+        if error is None:
+            self.replay_spool()
+            return Delivery(request_id, True, status)
+        path = spool_path(self.config.spool_dir, request_id, rejected=not retryable)
+        _write_atomic(path, payload, None if retryable else error)
+        log.warning("ingest of %s failed (%s); payload kept in %s", request_id, error, path)
+        return Delivery(request_id, False, status, str(path), error)
+
+    def replay_spool(self) -> tuple[int, int]:
+        """Send spooled payloads, oldest first → (delivered, still spooled). Stops at the first failure."""
+        root = Path(self.config.spool_dir)
+        files = sorted(root.glob("*.json"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+        delivered = 0
+        for path in files:
+            try:
+                payload = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as err:
+                log.error("spool file %s is unreadable (%s); leaving it for inspection", path, err)
+                continue
+            status, error, retryable = self._post(payload)
+            if error is None:
+                path.unlink(missing_ok=True)
+                delivered += 1
+            elif retryable:
+                break
+            else:
+                _write_atomic(spool_path(root, path.stem, rejected=True), payload, error)
+                path.unlink(missing_ok=True)
+        remaining = len(list(root.glob("*.json"))) if root.is_dir() else 0
+        return delivered, remaining

@@ -1,0 +1,262 @@
+"""The per-request ingest payload (seed 001; compat §8; ``ingest-payload.schema.json``).
+
+:class:`PayloadRecorder` is the generation loop's recorder. It keeps small raw facts while the
+loop runs — the top-20 log-probabilities stay on the model's device as tensors, token texts are
+not decoded yet — and :meth:`PayloadRecorder.build` turns them into JSON at the end, decoding
+every token text in one batched tokenizer call.
+
+Shape rules the backend enforces: ``events[i].sequence_order == i``; ``mod_calls[*].
+event_sequence_order`` and ``mod_logs/actions[*].mod_call_sequence`` are array positions;
+integers fit in 32 bits; ``token_text`` ≤ 100 characters; ``logits_shape`` is a string.
+
+Hidden states, attention patterns, layer and input ids never enter the payload.
+
+Which mod calls are recorded: every call that returned a non-Noop action, printed or logged, or
+raised — the silent Noops (most calls) would only bloat the payload. Every non-Noop action is
+recorded, with ``details.applied`` and, when it was not applied, ``details.note`` saying why.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+import torch
+
+from mods.manager import ModCall
+from mods.types import (
+    Added,
+    AdjustedLogits,
+    AdjustedPrefill,
+    Backtrack,
+    EmitError,
+    ForceOutput,
+    ForceTokens,
+    ForwardPass,
+    ModAction,
+    ModEvent,
+    Prefilled,
+    Sampled,
+    ToolCalls,
+)
+
+__all__ = ["PayloadRecorder", "iso_time"]
+
+TOP_TOKENS = 20
+_INPUT_TEXT_CHARS = 70
+_TOKEN_TEXT_CHARS = 100
+
+
+def iso_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class _PendingTexts:
+    """Token-id lists whose decoded text is filled in at build time."""
+
+    items: list[tuple[dict[str, Any], str, list[int], Any]] = field(default_factory=list)
+
+    def add(self, target: dict[str, Any], key: str, ids: Sequence[int], shape: Any = None) -> None:
+        """``shape``: None → one string; "each" → one string per id; int n → last n characters."""
+        self.items.append((target, key, [int(i) for i in ids], shape))
+
+    def resolve(self, tokenizer: Any) -> None:
+        batches: list[list[int]] = []
+        for _, _, ids, shape in self.items:
+            batches.extend([[i] for i in ids] if shape == "each" else [ids])
+        texts = iter(tokenizer.batch_decode(batches) if batches else [])
+        for target, key, ids, shape in self.items:
+            if shape == "each":
+                target[key] = [next(texts) for _ in ids]
+            else:
+                text = next(texts)
+                target[key] = text[-shape:] if isinstance(shape, int) else text
+
+
+class PayloadRecorder:
+    def __init__(self, request_id: str, *, tokenizer: Any, request: dict[str, Any]) -> None:
+        self.request_id = request_id
+        self._tokenizer = tokenizer
+        self._created = datetime.now(timezone.utc).timestamp()
+        self._request = {"request_id": request_id, **request}
+        self._events: list[dict[str, Any]] = []
+        self._top: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        self._mod_calls: list[dict[str, Any]] = []
+        self._mod_logs: list[dict[str, Any]] = []
+        self._actions: list[dict[str, Any]] = []
+        self._texts = _PendingTexts()
+        self._fed_upto: int | None = None
+
+    # ------------------------------------------------------------------------ during the loop
+
+    def event(self, event: ModEvent) -> int:
+        index = len(self._events)
+        record: dict[str, Any] = {
+            "event_type": type(event).__name__,
+            "step": int(event.step),
+            "sequence_order": index,
+            "created_at": datetime.now(timezone.utc).timestamp(),
+        }
+        if isinstance(event, Prefilled):
+            record["prompt_length"] = len(event.input_ids or getattr(event.context_info, "tokens", []) or [])
+            record["max_steps"] = int(event.max_steps)
+            self._fed_upto = None
+        elif isinstance(event, ForwardPass):
+            self._record_forward(record, event)
+        elif isinstance(event, Sampled):
+            record["sampled_token"] = int(event.sampled_token)
+            self._texts.add(record, "token_text", [event.sampled_token], _TOKEN_TEXT_CHARS)
+        elif isinstance(event, Added):
+            record["added_tokens"] = [int(t) for t in event.added_tokens]
+            record["added_token_count"] = len(event.added_tokens)
+            record["forced"] = bool(event.forced)
+        self._events.append(record)
+        return index
+
+    def _record_forward(self, record: dict[str, Any], event: ForwardPass) -> None:
+        ids = list(event.input_ids or [])
+        fed = ids if self._fed_upto is None else (ids[self._fed_upto:] or ids[-1:])
+        self._fed_upto = len(ids)
+        self._texts.add(record, "input_text", fed, _INPUT_TEXT_CHARS)
+        logits = getattr(event.logits, "tensor", None)
+        if isinstance(logits, torch.Tensor):  # stays on device until build: no per-step sync
+            values, indices = torch.log_softmax(logits.reshape(-1).float(), dim=-1).topk(TOP_TOKENS)
+            self._top.append((record, values, indices))
+
+    def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]:
+        indices: list[int | None] = []
+        for call in calls:
+            if not call.noteworthy:
+                indices.append(None)
+                continue
+            index = len(self._mod_calls)
+            record: dict[str, Any] = {
+                "event_sequence_order": event_index,
+                "mod_name": call.mod_name[:255],
+                "event_type": call.event_type,
+                "step": int(call.step),
+                "created_at": call.started_at,
+                "execution_time_ms": round(call.elapsed_ms, 4),
+                "exception_occurred": call.exception is not None,
+            }
+            if call.exception is not None:
+                record["exception_message"] = f"{call.exception.type}: {call.exception.message}"
+                record["exception_traceback"] = call.exception.traceback
+            self._mod_calls.append(record)
+            for entry in call.logs:
+                self._mod_logs.append({"mod_call_sequence": index, "mod_name": call.mod_name[:255],
+                                       "log_message": entry.message, "log_level": entry.level,
+                                       "created_at": entry.created_at})
+            indices.append(index)
+        return indices
+
+    def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None) -> None:
+        if call_index is None:
+            return
+        details: dict[str, Any] = {"applied": applied}
+        if note:
+            details["note"] = note
+        record: dict[str, Any] = {
+            "mod_call_sequence": call_index,
+            "action_type": type(action).__name__,
+            "action_order": 0,
+            "created_at": datetime.now(timezone.utc).timestamp(),
+            "details": details,
+        }
+        self._describe(record, details, action)
+        self._actions.append(record)
+
+    def _tokens(self, record: dict[str, Any], details: dict[str, Any], tokens: Sequence[int]) -> None:
+        ids = [int(t) for t in tokens]
+        record["tokens"] = ids
+        record["token_count"] = len(ids)
+        details["tokens"] = ids
+        self._texts.add(details, "tokens_as_text", ids, "each")
+        self._texts.add(record, "tokens_preview", ids[:10])
+
+    def _describe(self, record: dict[str, Any], details: dict[str, Any], action: ModAction) -> None:
+        if isinstance(action, (ForceTokens, ForceOutput)):
+            self._tokens(record, details, action.tokens)
+        elif isinstance(action, AdjustedPrefill):
+            self._tokens(record, details, action.tokens)
+            record["new_length"] = len(action.tokens)
+            record["adjusted_max_steps"] = _i32(action.max_steps)
+            self._texts.add(record, "new_prompt", action.tokens)
+        elif isinstance(action, Backtrack):
+            record["backtrack_steps"] = _i32(action.n)
+            if action.tokens is not None:
+                self._tokens(record, details, action.tokens)
+        elif isinstance(action, AdjustedLogits):
+            shape = getattr(action.logits, "shape", None)
+            record["logits_shape"] = f"[{', '.join(str(int(d)) for d in shape)}]" if shape is not None else None
+            record["temperature"] = None if action.token_temp is None else float(action.token_temp)
+        elif isinstance(action, ToolCalls):
+            record["has_tool_calls"] = bool(action.tool_calls)
+            record["tool_calls"] = _jsonable(action.tool_calls)
+        elif isinstance(action, EmitError):
+            record["error_message"] = str(action.err_str)
+
+    # ----------------------------------------------------------------------------- at the end
+
+    def build(self, *, final_ids: Sequence[int], final_text: str, finish_reason: str, prompt_tokens: int,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON payload; call once, after the loop."""
+        if self._top:
+            values = torch.stack([v for _, v, _ in self._top]).cpu()  # one device→host copy
+            indices = torch.stack([i for _, _, i in self._top]).cpu()
+            for (record, _, _), row_v, row_i in zip(self._top, values.tolist(), indices.tolist()):
+                tops = [{"token": int(t), "logprob": float(lp)} for t, lp in zip(row_i, row_v)]
+                record["top_tokens"] = tops
+                for entry in tops:
+                    self._texts.add(entry, "token_str", [entry["token"]], _TOKEN_TEXT_CHARS)
+            self._top = []
+        self._texts.resolve(self._tokenizer)
+        self._texts = _PendingTexts()
+        for record in self._events:
+            for entry in record.get("top_tokens", []):
+                entry["prob"] = _prob(entry["logprob"])
+        request = dict(self._request)
+        request.update({
+            "created_at": iso_time(self._created),
+            "completed_at": iso_time(datetime.now(timezone.utc).timestamp()),
+            "final_token_ids": [int(t) for t in final_ids if int(t) >= 0],
+            "final_text": final_text,
+            "finish_reason": finish_reason,
+            "inference_stats": {"prompt_tokens": prompt_tokens, "generated_tokens": len(final_ids),
+                                "total_tokens": prompt_tokens + len(final_ids)},
+        })
+        request.update(extra or {})
+        return {
+            "request": request,
+            "events": [_with_iso(r) for r in self._events],
+            "mod_calls": [_with_iso(r) for r in self._mod_calls],
+            "mod_logs": [_with_iso(r) for r in self._mod_logs],
+            "actions": [_with_iso(r) for r in self._actions],
+        }
+
+
+def _with_iso(record: dict[str, Any]) -> dict[str, Any]:
+    out = dict(record)
+    if isinstance(out.get("created_at"), float):
+        out["created_at"] = iso_time(out["created_at"])
+    return out
+
+
+def _i32(value: Any) -> int:
+    return max(-(2**31), min(2**31 - 1, int(value or 0)))
+
+
+def _prob(logprob: float) -> float:
+    import math
+
+    return math.exp(logprob) if logprob > -700 else 0.0
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return json.loads(json.dumps(value, default=str))

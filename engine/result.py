@@ -1,0 +1,79 @@
+"""What a generation returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from mods.types import ModAction, ModEvent
+
+__all__ = ["FinishReason", "IgnoredAction", "GenerationResult"]
+
+
+class FinishReason(str, Enum):
+    """Why a request ended. ``stop``: EOS/stop token or ForceOutput; ``length``: token budget,
+    context window or step limit; ``tool_calls``: a ToolCalls action; ``error``: an EmitError."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    ERROR = "error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class IgnoredAction:
+    """A non-Noop action the loop did not apply, and why (nothing is dropped without a trace)."""
+
+    step: int
+    event_type: str
+    mod_name: str
+    action: ModAction
+    reason: str
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """One request's outcome.
+
+    ``events``: every dispatched event in order, with hidden states and attention attached.
+    ``actions``: every action the loop applied, in order (each carries ``_source``, the mod name).
+    ``payload``: the ingest payload (never contains hidden states, attention or input ids).
+    ``metadata``: request id, model, device, timings, token counts.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_text: str
+    finish_reason: FinishReason
+    events: list[ModEvent] = field(repr=False)
+    actions: list[ModAction] = field(repr=False)
+    ignored_actions: list[IgnoredAction] = field(repr=False)
+    payload: dict[str, Any] = field(repr=False)
+    metadata: dict[str, Any] = field(repr=False)
+    tool_calls: list[Any] | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able part: what the CLI prints with ``--json``."""
+        return {
+            "request_id": self.request_id,
+            "output_text": self.output_text,
+            "output_ids": self.output_ids,
+            "finish_reason": str(self.finish_reason),
+            "tool_calls": self.tool_calls,
+            "error": self.error,
+            "actions": [
+                {"type": type(a).__name__, "mod": getattr(a, "_source", None)} for a in self.actions
+            ],
+            "ignored_actions": [
+                {"step": i.step, "event": i.event_type, "mod": i.mod_name, "type": type(i.action).__name__,
+                 "reason": i.reason}
+                for i in self.ignored_actions
+            ],
+            "metadata": self.metadata,
+        }

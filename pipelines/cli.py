@@ -1,0 +1,163 @@
+"""The ``raylens`` command line.
+
+Every subcommand is a ``main``-style function; user mistakes (``RaylensError`` and the SDK's
+``ValueError`` subclasses) print one line saying what to do and exit 2. ``--debug`` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A command-line argument is wrong."""
+
+
+def _read_json(path: str, what: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"{what} `{path}` does not exist")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{what} `{path}` is not valid JSON: line {err.lineno}: {err.msg}") from None
+
+
+def _messages_from_file(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A chat file is a JSON list of messages, or ``{"messages": [...], "tools": [...]}``."""
+    data = _read_json(path, "messages file")
+    if isinstance(data, dict):
+        return data.get("messages"), data.get("tools")
+    return data, None
+
+
+# ------------------------------------------------------------------------------------ generate
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate one completion in-process (no Ray)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="user message (chat-templated)")
+    src.add_argument("--messages-file", help="JSON chat: a list of messages or {messages, tools}")
+    src.add_argument("--input-ids", help="comma-separated token ids, used as is")
+    p.add_argument("--mod", action="append", default=[], metavar="FILE.py[:function]",
+                   help="mod file to run (repeatable, in order)")
+    p.add_argument("--mod-payload", action="append", default=[], metavar="FILE.json",
+                   help="mod payload JSON (inline source form), repeatable")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--request-id")
+    p.add_argument("--config", help="YAML config (default: configs/local.yaml or $RAYLENS_CONFIG)")
+    p.add_argument("--json", action="store_true", help="print the result (and payload) as JSON")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine import Engine
+
+    messages = tools = input_ids = None
+    if args.messages_file:
+        messages, tools = _messages_from_file(args.messages_file)
+    if args.input_ids:
+        try:
+            input_ids = [int(t) for t in args.input_ids.replace(" ", "").split(",") if t]
+        except ValueError:
+            raise UsageError("--input-ids must be comma-separated integers") from None
+    mods: list[Any] = list(args.mod) + [_read_json(p, "mod payload") for p in args.mod_payload]
+    print("raylens: loading model…", file=sys.stderr, flush=True)
+    with Engine.from_config(args.config) as engine:
+        result = engine.generate(
+            args.prompt, messages=messages, input_ids=input_ids, tools=tools, mods=mods,
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            seed=args.seed, ignore_eos=args.ignore_eos, request_id=args.request_id,
+        )
+    if args.json:
+        print(json.dumps({**result.to_dict(), "payload": result.payload}, indent=2))
+        return 0
+    if result.tool_calls is not None:
+        print(json.dumps({"tool_calls": result.tool_calls}, indent=2))
+    else:
+        print(result.output_text)
+    meta = result.metadata
+    summary = (f"[finish={result.finish_reason} tokens={meta['generated_tokens']} "
+               f"{meta['tokens_per_s']:.1f} tok/s request={result.request_id}]")
+    if result.error is not None:
+        summary += f" mod error: {result.error}"
+    if result.ignored_actions:
+        summary += f" ({len(result.ignored_actions)} mod action(s) ignored; see --json)"
+    print(summary, file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------- bench
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="tokens/s of raylens paths beside bare model.generate")
+    p.add_argument("--config")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", help="write the results as JSON here")
+    p.set_defaults(func=lambda args: _bench_main(args))
+
+
+def _bench_main(args: argparse.Namespace) -> int:
+    from . import bench
+
+    return bench.run_cli(args)
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raylens", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_generate, _add_bench):
+        add(sub)
+    return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from engine.errors import RaylensError
+    from mods.loading import ModPayloadError
+    from mods.validation import InvalidActionError
+
+    return (UsageError, RaylensError, ModPayloadError, InvalidActionError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="raylens: %(levelname)s %(name)s: %(message)s")
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except _user_errors() as err:
+        if args.debug:
+            raise
+        print(f"raylens: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("raylens: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

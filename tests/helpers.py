@@ -1,0 +1,191 @@
+"""Test helpers: config builders, a character tokenizer and a scripted model backend.
+
+The scripted backend stands in for the *model* (it implements the Backend protocol with
+predictable logits), so the real generation loop, ModManager and recorder can be tested for
+exact event/action semantics without a model's noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DOCS = REPO.parent / "shared" / "docs"
+TEST_MODS = Path(__file__).resolve().parent / "mods"
+
+FP32_NOISE_TOL = 1e-4  # float32 reassociation noise between attention kernels of one model
+
+
+def build_config(**backend_overrides: Any):
+    """The local config (embedded model on CPU) with backend overrides; env is ignored."""
+    from engine.config import load_config
+
+    return load_config(REPO / "configs" / "local.yaml", env={}, overrides={"backend": backend_overrides})
+
+
+def build_generation_cfg(**overrides: Any):
+    from engine.config import GenerationConfig
+
+    return dataclasses.replace(GenerationConfig(), **overrides)
+
+
+# ------------------------------------------------------------------------------ scripted model
+
+
+class CharTokenizer:
+    """One token per printable ASCII character: id = ord(c) - 22 (10..104); specials below 10."""
+
+    bos_token_id = 1
+    eos_token_id = 2
+    vocab_size = 128
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = [ord(c) - 22 for c in text]
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
+        return "".join(chr(int(i) + 22) if int(i) >= 10 else ("" if skip_special_tokens else f"<{int(i)}>")
+                       for i in ids)
+
+    def batch_decode(self, batch: Sequence[Sequence[int]], **kwargs: Any) -> list[str]:
+        return [self.decode(ids, **kwargs) for ids in batch]
+
+    def get_vocab(self) -> dict[str, int]:
+        return {self.decode([i]): i for i in range(self.vocab_size)}
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+class ScriptedBackend:
+    """A 'model' that wants to write ``script`` after the prompt, one character per step.
+
+    Logits: 10 for the scripted next character, 5 for the character after it, 0 elsewhere; past
+    the script's end it predicts EOS. Counts forward passes for assertions.
+    """
+
+    def __init__(self, script: str = "hello world", vocab_size: int = 128) -> None:
+        import torch
+
+        from engine.backends.base import ModelInfo
+        from engine.config import BackendConfig
+
+        self.tok = CharTokenizer()
+        self.script = self.tok.encode(script) + [self.tok.eos_token_id]
+        self.config = BackendConfig(model_id="scripted", device="cpu")
+        self.device = torch.device("cpu")
+        self.info = ModelInfo("scripted", vocab_size, 8, 2, 2, 1, 4096, (self.tok.eos_token_id,), "cpu", "float32")
+        self.sequences: dict[str, dict[str, Any]] = {}
+        self.forward_count = 0
+        self.rewinds: list[int] = []
+
+    def load_model(self, model_id: str, config: Any) -> None:
+        pass
+
+    def tokenizer(self) -> CharTokenizer:
+        return self.tok
+
+    def _logits(self, seq: dict[str, Any]):
+        import torch
+
+        position = len(seq["tokens"]) - seq["prompt_len"]
+        logits = torch.zeros(self.info.vocab_size)
+        first = self.script[min(position, len(self.script) - 1)]
+        second = self.script[min(position + 1, len(self.script) - 1)]
+        logits[second] = 5.0
+        logits[first] = 10.0
+        return logits
+
+    def prefill(self, request_id: str, input_ids: Sequence[int], max_steps: int, *, context_info: Any = None,
+                seed: int | None = None):
+        from mods.types import ContextInfo, Prefilled
+
+        self.sequences[request_id] = {"tokens": list(input_ids), "prompt_len": len(input_ids)}
+        self.forward_count += 1
+        return Prefilled(request_id, 0, max_steps, ContextInfo(request_id, list(input_ids), max_steps),
+                         input_ids=list(input_ids))
+
+    def forward_pass(self, request_id: str, step: int):
+        from engine.tensor import TensorShim
+        from mods.types import ForwardPass
+
+        seq = self.sequences[request_id]
+        self.forward_count += 1
+        return ForwardPass(request_id, step, TensorShim(self._logits(seq)[None, :]), input_ids=list(seq["tokens"]))
+
+    def sample(self, request_id: str, step: int, logits: Any, params: Any):
+        import torch
+
+        from engine.sampling import make_generator, sample
+        from engine.tensor import TensorShim
+        from mods.types import Sampled
+
+        tensor = logits.tensor if isinstance(logits, TensorShim) else logits
+        return Sampled(request_id, step, sample(tensor, params, make_generator(0, torch.device("cpu"))))
+
+    def add_token(self, request_id: str, step: int, tokens: Sequence[int], forced: bool):
+        from mods.types import Added
+
+        self.sequences[request_id]["tokens"].extend(int(t) for t in tokens)
+        return Added(request_id, step, list(tokens), forced)
+
+    def rewind_kv_cache(self, request_id: str, n: int) -> None:
+        self.rewinds.append(n)
+        if n:
+            del self.sequences[request_id]["tokens"][-n:]
+
+    def get_hidden_states(self, request_id: str, layer: int) -> None:
+        return None
+
+    def get_attention_patterns(self, request_id: str, layer: int) -> None:
+        return None
+
+    def release(self, request_id: str) -> None:
+        self.sequences.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self.sequences.clear()
+
+
+def scripted_engine(script: str = "hello world", **generation: Any):
+    """An Engine over :class:`ScriptedBackend`, greedy by default."""
+    from engine import Engine
+    from engine.config import RaylensConfig
+
+    gen = build_generation_cfg(**{"temperature": 0.0, "max_tokens": 32, **generation})
+    return Engine(RaylensConfig(generation=gen), backend=ScriptedBackend(script))
+
+
+def text_of(tokenizer: Any, ids: Sequence[int]) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def event_types(result: Any) -> list[str]:
+    return [type(e).__name__ for e in result.events]
+
+
+def assert_payload_valid(payload: dict[str, Any]) -> None:
+    """Schema-valid, positions consistent, and no internals leaked (compat §10.9)."""
+    from engine.schemas import payload_validator
+
+    errors = sorted(payload_validator().iter_errors(payload), key=lambda e: list(e.path))
+    assert not errors, f"payload violates the ingest schema: {[f'{list(e.path)}: {e.message}' for e in errors[:5]]}"
+    events = payload["events"]
+    assert [e["sequence_order"] for e in events] == list(range(len(events)))
+    for call in payload["mod_calls"]:
+        assert 0 <= call["event_sequence_order"] < len(events), call
+    for entry in payload["mod_logs"] + payload["actions"]:
+        assert 0 <= entry["mod_call_sequence"] < len(payload["mod_calls"]), entry
+    text = str(payload)
+    for forbidden in ("hidden_states", "attention_patterns", "'input_ids'", "'layer'"):
+        assert forbidden not in text, f"{forbidden} leaked into the ingest payload"
+
+
+def masked(logits: Any, banned: Sequence[int], value: float = -1e9) -> np.ndarray:
+    arr = logits.to_numpy().copy()
+    arr[0, list(banned)] = value
+    return arr
