@@ -204,6 +204,20 @@ def default_config_path() -> Path:
     return Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(str(v) for v in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if origin is tuple:
+        return "a list of integers"
+    return _TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))
+
+
 def _coerce(section: str, cls: type, key: str, value: Any) -> Any:
     """Check a YAML value against the field's annotation; lists become tuples."""
     hints = typing.get_type_hints(cls)
@@ -222,7 +236,8 @@ def _coerce(section: str, cls: type, key: str, value: Any) -> Any:
             return float(value)
         if option in (int, str, bool) and type(value) is option:
             return value
-    raise ConfigError(f"`{section}.{key}` must be {hint}, got {value!r}", parameter=f"{section}.{key}", value=value)
+    raise ConfigError(f"`{section}.{key}` must be {_describe(hint)}, got {value!r}", parameter=f"{section}.{key}",
+                      value=value)
 
 
 def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:

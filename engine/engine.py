@@ -31,7 +31,14 @@ from .result import FinishReason, GenerationResult
 from .sampling import SamplingParams
 from .tensor import TensorShim
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "load_mods"]
+
+
+def load_mods(specs: Sequence[ModSpec] | None) -> list[Callable[..., Any]]:
+    """Resolve mods with ``max.driver.Tensor`` bound to the engine's tensor class first, so a mod
+    that imports it at load time builds tensors the engine produces (compat §1.3 rule 3)."""
+    install_legacy_names(tensor_class=TensorShim)
+    return resolve_mods(specs)
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -48,6 +55,7 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
 class Engine:
     def __init__(self, config: RaylensConfig, *, backend: Backend | None = None) -> None:
         self.config = config
+        self._owns_backend = backend is None  # a backend passed in is shared; closing us leaves it loaded
         self.backend = backend if backend is not None else create_backend(config.backend)
         install_legacy_names(tensor_class=TensorShim)
         self._ingest = IngestClient(config.ingest) if config.ingest.url else None
@@ -67,7 +75,8 @@ class Engine:
     def close(self) -> None:
         if self._ingest is not None:
             self._ingest.close()
-        self.backend.shutdown()
+        if self._owns_backend:
+            self.backend.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -147,7 +156,7 @@ class Engine:
         gen = self._generation_config(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                       seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
         ids = self.encode(prompt, messages=messages, input_ids=input_ids, tools=tools)
-        loaded = resolve_mods(mods)
+        loaded = load_mods(mods)
         request_id = request_id or str(uuid.uuid4())
         info = self.backend.info
         stop_ids = frozenset(gen.stop_tokens or ()) | (frozenset() if gen.ignore_eos else frozenset(info.eos_token_ids))

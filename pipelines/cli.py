@@ -68,6 +68,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import Engine
+    from engine.engine import load_mods
 
     messages = tools = input_ids = None
     if args.messages_file:
@@ -77,7 +78,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             input_ids = [int(t) for t in args.input_ids.replace(" ", "").split(",") if t]
         except ValueError:
             raise UsageError("--input-ids must be comma-separated integers") from None
-    mods: list[Any] = list(args.mod) + [_read_json(p, "mod payload") for p in args.mod_payload]
+    # Mods load before the model so a broken mod file fails in a second, not after the model load.
+    mods = load_mods(list(args.mod) + [_read_json(p, "mod payload") for p in args.mod_payload])
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config) as engine:
         result = engine.generate(

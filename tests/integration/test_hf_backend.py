@@ -1,0 +1,230 @@
+"""HuggingFaceBackend on the embedded model: loading, internals, KV cache, differential checks.
+
+Dimensions come from the model config (never 576/30/9 written down). References are independent:
+transformers' own greedy ``generate``, an eager-attention forward with ``output_attentions``, and
+a full forward with every hidden state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.devices import resolve_device
+from engine.errors import ContextOverflowError, InvalidRequestError, LayerOutOfRangeError, TokenOutOfVocabularyError
+from engine.internals import hidden_states_index
+from mods import Added, ForwardPass, Prefilled, mod
+from tests.helpers import FP32_NOISE_TOL, build_config
+
+PROMPT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def mc(engine):
+    return engine.backend.model.config
+
+
+@pytest.fixture(scope="module")
+def eager_model(engine):
+    """The same weights with eager attention, as the attention reference."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.models import resolve_model_path
+
+    cfg = engine.config.backend
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_id, cfg.model_cache_dir),
+                                                 attn_implementation="eager")
+    return model.eval()
+
+
+def test_model_loads_on_the_auto_detected_device(engine):
+    assert engine.backend.info.device == str(resolve_device("auto")) == "cpu"  # no GPU on CI machines
+    assert engine.backend.attention_implementation == "raylens_sdpa"
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, "Write a short story about a lighthouse keeper."])
+def test_greedy_loop_matches_transformers_generate_token_for_token(engine, prompt):
+    ids = engine.encode(prompt)
+    model = engine.backend.model
+    eos = set(engine.backend.info.eos_token_ids)
+    with torch.inference_mode():
+        reference = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+    ours = engine.generate(input_ids=ids, max_tokens=32, temperature=0.0)
+    assert ours.output_ids == [t for t in reference if t not in eos]
+
+
+def test_fixed_seed_is_reproducible_and_temperature_zero_is_stable(engine):
+    a = engine.generate(PROMPT, max_tokens=12, temperature=0.9, seed=11)
+    b = engine.generate(PROMPT, max_tokens=12, temperature=0.9, seed=11)
+    assert a.output_ids == b.output_ids
+    g1 = engine.generate(PROMPT, max_tokens=12, temperature=0.0)
+    g2 = engine.generate(PROMPT, max_tokens=12, temperature=0.0)
+    assert g1.output_ids == g2.output_ids
+
+
+def test_hidden_state_and_attention_shapes(engine, mc):
+    result = engine.generate(PROMPT, max_tokens=4, temperature=0.0)
+    pre = result.events[0]
+    assert isinstance(pre, Prefilled)
+    seq = len(result.prompt_ids)
+    assert pre.hidden_states.shape == (seq, mc.hidden_size)
+    assert pre.attention_patterns.shape == (mc.num_attention_heads, seq, seq)
+    assert pre.layer == engine.config.backend.hidden_state_layer and pre.input_ids == result.prompt_ids
+    forwards = [e for e in result.events if isinstance(e, ForwardPass)]
+    for i, fp in enumerate(forwards):
+        assert fp.logits.shape == (1, engine.backend.info.vocab_size)
+        assert fp.hidden_states.shape == (1, mc.hidden_size)
+        assert fp.attention_patterns.shape == (mc.num_attention_heads, 1, seq + i)
+        assert len(fp.input_ids) == seq + i
+
+
+def test_hidden_states_equal_the_full_forward_reference_and_layer16_differs_from_layer0(engine, mc):
+    ids = engine.encode(PROMPT)
+    backend = engine.backend
+    backend.capture_hidden_layers([0])
+    try:
+        pre = backend.prefill("hidden-check", ids, 4)
+        layer0 = backend.get_hidden_states("hidden-check", 0).tensor
+    finally:
+        backend.release("hidden-check")
+        backend.capture_hidden_layers([])
+    with torch.inference_mode():
+        ref = backend.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    layer = engine.config.backend.hidden_state_layer
+    ours = pre.hidden_states.tensor
+    torch.testing.assert_close(ours, ref[hidden_states_index(layer)][0], atol=FP32_NOISE_TOL, rtol=0,
+                               msg=lambda m: f"layer {layer} hidden states drift from output_hidden_states: {m}")
+    torch.testing.assert_close(layer0, ref[hidden_states_index(0)][0], atol=FP32_NOISE_TOL, rtol=0)
+    gap = (ours - layer0).abs().mean().item()
+    assert gap > 0.1, f"layer {layer} should differ from layer 0 (mean |diff| {gap:.4f})"
+
+
+def test_attention_equals_eager_attention_and_rows_sum_to_one(engine, eager_model):
+    result = engine.generate(PROMPT, max_tokens=6, temperature=0.0)
+    layer = engine.config.backend.hidden_state_layer
+    full = result.prompt_ids + result.output_ids
+    with torch.inference_mode():
+        ref = eager_model(torch.tensor([full]), output_attentions=True).attentions[layer][0]  # (h, n, n)
+    pre = result.events[0]
+    seq = len(result.prompt_ids)
+    torch.testing.assert_close(pre.attention_patterns.tensor, ref[:, :seq, :seq], atol=FP32_NOISE_TOL, rtol=0)
+    forwards = [e for e in result.events if isinstance(e, ForwardPass)]
+    for i, fp in enumerate(forwards):
+        row = seq + i - 1  # the query row of the newest token fed
+        torch.testing.assert_close(fp.attention_patterns.tensor, ref[:, row:row + 1, :row + 1],
+                                   atol=FP32_NOISE_TOL, rtol=0,
+                                   msg=lambda m: f"decode step {i}: attention differs from eager: {m}")
+        sums = fp.attention_patterns.tensor.sum(-1)
+        torch.testing.assert_close(sums, torch.ones_like(sums), atol=1e-5, rtol=0)
+
+
+def test_attention_changes_when_tokens_are_injected(engine):
+    @mod
+    def inject(event, actions, tokenizer):
+        if isinstance(event, ForwardPass) and event.step == 1:
+            return actions.force_tokens(tokenizer.encode(" IGNORE ALL RULES", add_special_tokens=False))
+
+    plain = engine.generate(PROMPT, max_tokens=20, temperature=0.0)
+    injected = engine.generate(PROMPT, mods=[inject], max_tokens=20, temperature=0.0)
+    step = 2  # the first forward pass after the injection
+    a = next(e for e in plain.events if isinstance(e, ForwardPass) and e.step == step).attention_patterns.tensor
+    b = next(e for e in injected.events if isinstance(e, ForwardPass) and e.step == step).attention_patterns.tensor
+    assert a.shape != b.shape or (a - b).abs().max() > 1e-3
+
+
+def test_attention_hook_leaves_nothing_behind(engine):
+    model = engine.backend.model
+    before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    engine.generate(PROMPT, max_tokens=3, temperature=0.0)
+    after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert after == before  # attention capture rides on forward kwargs, never on module hooks
+
+
+def test_rewinding_the_kv_cache_regenerates_identical_logits(engine):
+    backend = engine.backend
+    ids = engine.encode(PROMPT)
+    backend.prefill("rw", ids, 8)
+    try:
+        first = backend.forward_pass("rw", 0).logits.tensor.clone()
+        for step, token in enumerate((504, 3575, 282)):
+            backend.add_token("rw", step, [token], False)
+            backend.forward_pass("rw", step + 1)
+        backend.rewind_kv_cache("rw", 3)
+        again = backend.forward_pass("rw", 4).logits.tensor
+        torch.testing.assert_close(again, first, atol=FP32_NOISE_TOL, rtol=0)
+        assert backend.sequence_length("rw") == len(ids)
+    finally:
+        backend.release("rw")
+
+
+def test_backtrack_without_reinjection_regenerates_the_same_greedy_text(engine):
+    """A cropped cache that were wrong would change the greedy continuation."""
+    @mod
+    def undo_two(event, actions, tokenizer):
+        if isinstance(event, ForwardPass) and event.step == 4:
+            return actions.backtrack(steps=2)
+
+    plain = engine.generate(PROMPT, max_tokens=10, temperature=0.0)
+    undone = engine.generate(PROMPT, mods=[undo_two], max_tokens=10, temperature=0.0)
+    assert undone.output_ids == plain.output_ids
+
+
+def test_backtrack_with_replacement_continues_differently(engine):
+    @mod
+    def replace(event, actions, tokenizer):
+        if isinstance(event, Added) and event.step == 3 and not event.forced:
+            return actions.backtrack(steps=1, tokens=tokenizer.encode(" the city of", add_special_tokens=False))
+
+    plain = engine.generate(PROMPT, max_tokens=12, temperature=0.0)
+    changed = engine.generate(PROMPT, mods=[replace], max_tokens=12, temperature=0.0)
+    assert changed.output_ids[:3] == plain.output_ids[:3]
+    assert changed.output_ids[3:] != plain.output_ids[3:]
+
+
+def test_selfprompt_style_numpy_masking_through_the_tensor_shim(engine, tokenizer):
+    """Allow only digits: mask via to_numpy(), rebuild with type(logits).from_numpy, move to device."""
+    digits = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+
+    @mod
+    def only_digits(event, actions, tok):
+        if isinstance(event, ForwardPass):
+            logits = event.logits.to_numpy().copy()
+            keep = logits[0, sorted(digits)].copy()
+            logits[0, :] = -1e9
+            logits[0, sorted(digits)] = keep
+            masked = type(event.logits).from_numpy(logits).to(event.logits.device)
+            return actions.adjust_logits(masked, token_temp=0.0)
+
+    result = engine.generate("Pick a number.", mods=[only_digits], max_tokens=5, temperature=0.9, seed=1)
+    assert len(result.output_ids) == 5 and set(result.output_ids) <= digits
+
+
+def test_eos_stops_generation_and_max_tokens_is_respected(engine):
+    stopped = engine.generate(PROMPT, max_tokens=64, temperature=0.0)
+    assert stopped.finish_reason == "stop" and len(stopped.output_ids) < 64
+    assert stopped.events[-1].added_tokens[-1] in engine.backend.info.eos_token_ids  # EOS dispatched, stripped
+    assert not set(stopped.output_ids) & set(engine.backend.info.eos_token_ids)
+    capped = engine.generate(PROMPT, max_tokens=3, temperature=0.0)
+    assert capped.finish_reason == "length" and len(capped.output_ids) == 3
+
+
+def test_bad_token_ids_and_oversized_prompts_are_clear_errors(engine):
+    vocab = engine.backend.info.vocab_size
+    with pytest.raises(TokenOutOfVocabularyError, match=rf"token ids in \[0, {vocab}\)"):
+        engine.generate(input_ids=[1, vocab + 5], max_tokens=2)
+    with pytest.raises(ContextOverflowError, match="shorter than the model's context"):
+        engine.generate(input_ids=[1] * engine.backend.info.max_context, max_tokens=2)
+    with pytest.raises(InvalidRequestError, match="`prompt` must be a non-empty string"):
+        engine.generate("   ")
+    with pytest.raises(InvalidRequestError, match="`max_tokens` must be >= 1"):
+        engine.generate(PROMPT, max_tokens=0)
+    with pytest.raises(InvalidRequestError, match="exactly one of prompt, messages, input_ids"):
+        engine.generate(PROMPT, input_ids=[1])
+
+
+def test_a_layer_out_of_range_is_rejected_with_the_valid_range(mc):
+    from engine.backends.hf import HuggingFaceBackend
+
+    with pytest.raises(LayerOutOfRangeError, match=rf"in \[0, {mc.num_hidden_layers - 1}\]"):
+        HuggingFaceBackend(build_config(hidden_state_layer=mc.num_hidden_layers).backend)

@@ -1,0 +1,86 @@
+"""Config loading: YAML sections, env overrides (one table), validation with clear messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import ENV_VARS, load_config, parse_bool
+from engine.errors import ConfigError
+from tests.helpers import REPO
+
+LOCAL = REPO / "configs" / "local.yaml"
+
+
+def test_local_config_names_the_embedded_model_on_cpu():
+    cfg = load_config(LOCAL, env={})
+    assert cfg.backend.model_id == "embedded:smollm2-135m-instruct"
+    assert cfg.backend.device == "cpu" and cfg.backend.hidden_state_layer == 16
+    assert cfg.backend.extract_attention and cfg.backend.extract_hidden_states
+
+
+def test_production_config_names_llama():
+    cfg = load_config(REPO / "configs" / "llama31-8b.yaml", env={})
+    assert cfg.backend.model_id == "meta-llama/Llama-3.1-8B-Instruct" and cfg.backend.device == "auto"
+
+
+def test_env_overrides_and_legacy_model_id_precedence():
+    cfg = load_config(LOCAL, env={"MODEL_ID": "legacy/model", "CONCORDANCE_DEVICE": "auto",
+                                  "CONCORDANCE_HIDDEN_LAYER": "3", "HF_TOKEN": "secret",
+                                  "QUOTE_LOG_INGEST_URL": "http://127.0.0.1:9/v1/ingest"})
+    assert cfg.backend.model_id == "legacy/model" and cfg.backend.device == "auto"
+    assert cfg.backend.hidden_state_layer == 3 and cfg.ingest.url == "http://127.0.0.1:9/v1/ingest"
+    assert "secret" not in repr(cfg.backend)  # secrets stay out of reprs and logs
+    both = load_config(LOCAL, env={"MODEL_ID": "legacy/model", "CONCORDANCE_MODEL": "new/model"})
+    assert both.backend.model_id == "new/model"
+
+
+def test_every_env_var_targets_a_real_field():
+    import dataclasses
+
+    from engine.config import RaylensConfig
+
+    sections = {f.name: f.default_factory() for f in dataclasses.fields(RaylensConfig) if f.name != "source"}
+    for var in ENV_VARS:
+        section, key = var.target.split(".")
+        assert hasattr(sections[section], key), var
+
+
+def test_unknown_keys_are_errors_that_list_the_known_ones(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backend:\n  modle_id: x\n")
+    with pytest.raises(ConfigError, match="unknown key.*backend.modle_id.*known keys of `backend`: backend_type"):
+        load_config(path, env={})
+    path.write_text("backnd: {}\n")
+    with pytest.raises(ConfigError, match="unknown section"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("yaml_text,message", [
+    ("backend:\n  device: tpu\n", "`device` must be one of auto, cpu, mps, cuda"),
+    ("backend:\n  dtype: float8\n", "`backend.dtype` must be one of auto, float32, float16, bfloat16, got 'float8'"),
+    ("backend:\n  hidden_state_layer: -1\n", "`hidden_state_layer` must be >= 0"),
+    ("backend:\n  hidden_state_layer: sixteen\n", "`backend.hidden_state_layer` must be an integer, got 'sixteen'"),
+    ("generation:\n  max_tokens: 0\n", "`max_tokens` must be >= 1, got 0"),
+    ("generation:\n  top_p: 1.5\n", "`top_p` must be in \\(0, 1\\]"),
+    ("generation:\n  temperature: -1\n", "`temperature` must be >= 0"),
+    ("ingest:\n  url: localhost:6767\n", "must start with http"),
+])
+def test_bad_values_are_rejected_with_the_constraint(tmp_path, yaml_text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, env={})
+
+
+def test_missing_file_and_bad_env_values_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist; pass --config"):
+        load_config(tmp_path / "nope.yaml", env={})
+    with pytest.raises(ConfigError, match="CONCORDANCE_HIDDEN_LAYER"):
+        load_config(LOCAL, env={"CONCORDANCE_HIDDEN_LAYER": "deep"})
+
+
+def test_parse_bool_is_the_one_bool_parser():
+    assert parse_bool("1") and parse_bool("true") and parse_bool("YES")
+    assert not parse_bool("0") and not parse_bool("false") and not parse_bool("")
+    with pytest.raises(ValueError):
+        parse_bool("maybe")

@@ -1,0 +1,66 @@
+"""Ingest delivery: retries, spooling, replay and rejection, with httpx.MockTransport."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from engine.config import IngestConfig
+from engine.ingest_client import IngestClient, spool_path
+
+
+def payload(rid: str) -> dict:
+    return {"request": {"request_id": rid}, "events": [], "mod_calls": [], "mod_logs": [], "actions": []}
+
+
+def client(tmp_path, handler, retries=2) -> IngestClient:
+    cfg = IngestConfig(url="http://127.0.0.1:9/v1/ingest", retries=retries, spool_dir=str(tmp_path / "spool"))
+    return IngestClient(cfg, transport=httpx.MockTransport(handler))
+
+
+def test_delivers_on_201(tmp_path):
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        return httpx.Response(201)
+
+    with client(tmp_path, handler) as c:
+        assert c.send(payload("r1")).delivered
+    assert seen[0]["request"]["request_id"] == "r1"
+
+
+def test_retries_5xx_then_succeeds(tmp_path):
+    statuses = iter([503, 502, 201])
+
+    with client(tmp_path, lambda r: httpx.Response(next(statuses))) as c:
+        assert c.send(payload("r2")).delivered
+
+
+def test_spools_when_the_backend_stays_down_and_replays_later(tmp_path):
+    up = {"value": False}
+    delivered = []
+
+    def handler(request):
+        if not up["value"]:
+            raise httpx.ConnectError("refused")
+        delivered.append(json.loads(request.content)["request"]["request_id"])
+        return httpx.Response(201)
+
+    with client(tmp_path, handler, retries=1) as c:
+        first = c.send(payload("down/1"))  # a request id is never trusted as a path
+        assert not first.delivered and first.spooled_to == str(spool_path(tmp_path / "spool", "down/1"))
+        assert json.loads(open(first.spooled_to).read())["request"]["request_id"] == "down/1"
+        up["value"] = True
+        assert c.send(payload("up-2")).delivered
+    assert delivered == ["up-2", "down/1"]  # the spooled payload was replayed after the next success
+    assert list((tmp_path / "spool").glob("*.json")) == []
+
+
+def test_a_rejected_payload_is_kept_for_inspection(tmp_path):
+    with client(tmp_path, lambda r: httpx.Response(400, text="bad request: Invalid mod_call_sequence: 9")) as c:
+        result = c.send(payload("bad"))
+    assert not result.delivered and "rejected" in result.spooled_to
+    kept = json.loads(open(result.spooled_to).read())
+    assert "Invalid mod_call_sequence" in kept["rejected_because"] and kept["payload"]["request"]["request_id"] == "bad"

@@ -1,0 +1,71 @@
+"""TensorShim (the max.driver.Tensor surface) and the pure sampling function."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.sampling import SamplingParams, make_generator, sample
+from engine.tensor import TensorShim, as_torch
+from mods.tensor import NumpyTensor
+
+
+def test_tensor_shim_round_trips_through_numpy():
+    values = torch.randn(1, 50)
+    shim = TensorShim(values)
+    back = TensorShim.from_numpy(shim.to_numpy())
+    assert torch.equal(back.tensor, values)
+    assert shim.shape == (1, 50) and shim.device == torch.device("cpu")
+    assert shim.to(shim.device) is shim
+
+
+def test_to_numpy_is_float32_and_a_copy():
+    half = TensorShim(torch.ones(1, 4, dtype=torch.float16))
+    assert half.to_numpy().dtype == np.float32
+    values = torch.zeros(1, 4)
+    arr = TensorShim(values).to_numpy()
+    arr[0, 0] = 9.0
+    assert values[0, 0] == 0.0  # a mod's edit never leaks into the engine's logits
+
+
+def test_indexing_and_assignment():
+    shim = TensorShim(torch.arange(6, dtype=torch.float32).reshape(1, 6))
+    assert float(shim[0, 2]) == 2.0
+    shim[0, 1:3] = np.array([7.0, 8.0])
+    assert shim.to_numpy().tolist() == [[0.0, 7.0, 8.0, 3.0, 4.0, 5.0]]
+    assert np.asarray(shim).shape == (1, 6)
+
+
+def test_as_torch_accepts_every_tensor_kind_mods_hand_back():
+    arr = np.arange(4, dtype=np.float32)
+    for value in (arr, torch.from_numpy(arr), TensorShim.from_numpy(arr), NumpyTensor(arr)):
+        assert torch.equal(as_torch(value, device=torch.device("cpu"), dtype=torch.float32), torch.from_numpy(arr))
+
+
+def test_greedy_picks_the_argmax():
+    logits = torch.tensor([0.1, 3.0, 2.9])
+    assert sample(logits, SamplingParams(0.0), make_generator(0, torch.device("cpu"))) == 1
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ():
+    logits = torch.randn(1000)
+    params = SamplingParams(1.0, top_p=1.0, top_k=0)
+
+    def draw(seed):
+        gen = make_generator(seed, torch.device("cpu"))
+        return [sample(logits, params, gen) for _ in range(20)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
+@pytest.mark.parametrize("params,allowed", [
+    (SamplingParams(1.0, top_k=2), {0, 1}),
+    (SamplingParams(1.0, top_p=0.5), {0}),
+])
+def test_top_k_and_top_p_restrict_the_candidates(params, allowed):
+    logits = torch.tensor([5.0, 4.0, 1.0, 0.5, 0.1])
+    gen = make_generator(0, torch.device("cpu"))
+    drawn = {sample(logits, params, gen) for _ in range(200)}
+    assert drawn <= allowed and drawn
