@@ -21,10 +21,14 @@ FP32_NOISE_TOL = 1e-4  # float32 reassociation noise between attention kernels o
 
 
 def build_config(**backend_overrides: Any):
-    """The local config (embedded model on CPU) with backend overrides; env is ignored."""
+    """The local config (embedded model on CPU) with backend overrides. The environment is ignored
+    (a developer's CONCORDANCE_* must not change test results) except where the model cache is."""
+    import os
+
     from engine.config import load_config
 
-    return load_config(REPO / "configs" / "local.yaml", env={}, overrides={"backend": backend_overrides})
+    env = {k: os.environ[k] for k in ("RAYLENS_MODEL_CACHE",) if k in os.environ}
+    return load_config(REPO / "configs" / "local.yaml", env=env, overrides={"backend": backend_overrides})
 
 
 def build_generation_cfg(**overrides: Any):

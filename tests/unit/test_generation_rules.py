@@ -307,3 +307,15 @@ def test_prefilled_context_info_carries_what_legacy_mods_read():
 
     run([reader], prompt="Say hi", max_tokens=7)
     assert seen == {"text": "Say hi", "max_steps": 7}
+
+
+@pytest.mark.parametrize("event_cls,factory,field", [
+    (ForwardPass, lambda e: Backtrack(1, [9999]), "Backtrack.tokens"),
+    (Prefilled, lambda e: AdjustedPrefill([1, 9999], 0), "AdjustedPrefill.tokens"),
+    (Sampled, lambda e: ForceOutput([9999]), "ForceOutput.tokens"),
+])
+def test_out_of_vocabulary_ids_in_any_action_are_ignored_with_a_reason(event_cls, factory, field):
+    result, _ = run([on(event_cls, factory, step=0)])
+    assert result.output_text == "hello world"
+    (ignored,) = result.ignored_actions
+    assert ignored.reason.startswith(f"{field} holds token ids outside [0, 128)")
