@@ -26,6 +26,8 @@ __all__ = [
     "BackendConfig",
     "GenerationConfig",
     "IngestConfig",
+    "ActivationsConfig",
+    "SAEConfig",
     "RaylensConfig",
     "EnvVar",
     "ENV_VARS",
@@ -144,11 +146,71 @@ class IngestConfig:
 
 
 @dataclass(frozen=True)
+class ActivationsConfig:
+    """The local activation store: a DuckDB file (single writer) plus Parquet exports."""
+
+    enabled: bool = False
+    db_path: str = "./artifacts/activations/activations.duckdb"
+    parquet_path: str = "./artifacts/activations/parquet/"
+    retention_days: int = 14
+    threads: int = 2  # DuckDB worker threads
+    memory_limit: str = "1GB"
+
+    def __post_init__(self) -> None:
+        if self.retention_days < 1:
+            raise ConfigError(f"`activations.retention_days` must be >= 1, got {self.retention_days}",
+                              parameter="retention_days", value=self.retention_days)
+        if self.threads < 1:
+            raise ConfigError(f"`activations.threads` must be >= 1, got {self.threads}",
+                              parameter="threads", value=self.threads)
+
+
+@dataclass(frozen=True)
+class SAEConfig:
+    """SAE feature extraction. ``sae_id``: a name in ``engine.sae.SAE_REGISTRY`` or an SAE directory
+    in sae-lens format. ``nearline`` encodes on a background worker in blocks of ``block_steps``
+    forward passes (at most ``max_pending_blocks`` waiting: then the token loop waits, nothing is
+    dropped); ``inline`` encodes inside the token loop."""
+
+    enabled: bool = False
+    mode: Literal["nearline", "inline"] = "nearline"
+    sae_id: str = "llama_scope_lxr_8x"
+    layer: int = 16
+    top_k: int = 20
+    device: DeviceName = "auto"  # auto: the model's device
+    dtype: DType = "float32"
+    block_steps: int = 16
+    max_pending_blocks: int = 64
+    skip_first_position: bool = True  # position 0 is an attention sink; SAEs are trained without it
+    neuronpedia_url: str | None = None  # feature explanations; off unless set
+
+    def __post_init__(self) -> None:
+        _check_device(self.device)
+        checks = [("layer", self.layer >= 0, ">= 0"), ("top_k", self.top_k >= 1, ">= 1"),
+                  ("block_steps", self.block_steps >= 1, ">= 1"),
+                  ("max_pending_blocks", self.max_pending_blocks >= 1, ">= 1")]
+        for name, ok, constraint in checks:
+            if not ok:
+                raise ConfigError(f"`sae.{name}` must be {constraint}, got {getattr(self, name)!r}",
+                                  parameter=name, value=getattr(self, name))
+        if self.mode not in ("nearline", "inline"):
+            raise ConfigError(f"`sae.mode` must be nearline or inline, got {self.mode!r}", parameter="mode",
+                              value=self.mode)
+
+
+@dataclass(frozen=True)
 class RaylensConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    sae: SAEConfig = field(default_factory=SAEConfig)
     source: str | None = None  # the YAML file it came from, for messages
+
+    def __post_init__(self) -> None:
+        if self.sae.enabled and not self.activations.enabled:
+            raise ConfigError("`sae.enabled` needs `activations.enabled`: SAE features are written to the "
+                              "activation store (set CONCORDANCE_ACTIVATIONS_ENABLED=true)", parameter="sae.enabled")
 
 
 # ----------------------------------------------------------------------------------- environment
@@ -191,9 +253,19 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "ingest endpoint (e.g. http://localhost:6767/v1/ingest); empty: do not send"),
     EnvVar("QUOTE_LOG_INGEST_TIMEOUT", "ingest.timeout_s", float, "seconds per ingest POST"),
     EnvVar("RAYLENS_INGEST_SPOOL", "ingest.spool_dir", str, "where unsent payloads wait"),
+    EnvVar("CONCORDANCE_ACTIVATIONS_ENABLED", "activations.enabled", parse_bool, "write activation rows"),
+    EnvVar("CONCORDANCE_ACTIVATIONS_DB_PATH", "activations.db_path", str, "the DuckDB file"),
+    EnvVar("CONCORDANCE_ACTIVATIONS_PARQUET_PATH", "activations.parquet_path", str, "Parquet export directory"),
+    EnvVar("CONCORDANCE_ACTIVATION_RETENTION_DAYS", "activations.retention_days", int, "days of rows kept"),
+    EnvVar("CONCORDANCE_SAE_ENABLED", "sae.enabled", parse_bool, "extract SAE features"),
+    EnvVar("CONCORDANCE_SAE_MODE", "sae.mode", str, "nearline | inline"),
+    EnvVar("CONCORDANCE_SAE_ID", "sae.sae_id", str, "SAE registry name or sae-lens directory"),
+    EnvVar("CONCORDANCE_SAE_LAYER", "sae.layer", int, "the SAE's layer"),
+    EnvVar("CONCORDANCE_SAE_TOP_K", "sae.top_k", int, "features stored per token"),
 )
 
-_SECTIONS: dict[str, type] = {"backend": BackendConfig, "generation": GenerationConfig, "ingest": IngestConfig}
+_SECTIONS: dict[str, type] = {"backend": BackendConfig, "generation": GenerationConfig, "ingest": IngestConfig,
+                              "activations": ActivationsConfig, "sae": SAEConfig}
 
 
 def default_config_path() -> Path:

@@ -21,6 +21,7 @@ from mods.loading import ModSpec, resolve_mods
 from mods.manager import ModManager, mod_name
 from mods.types import ModEvent
 
+from .activations import ActivationRecorder, HiddenBlock
 from .backends import Backend, create_backend
 from .config import GenerationConfig, RaylensConfig, load_config
 from .errors import ConfigError, InvalidRequestError
@@ -28,7 +29,9 @@ from .generation import GenerationRequest, run_generation
 from .ingest_client import IngestClient
 from .ingest_payload import PayloadRecorder
 from .result import FinishReason, GenerationResult
+from .sae import SAEEncoder
 from .sampling import SamplingParams
+from .store import ActivationStore, RequestRecord
 from .tensor import TensorShim
 
 __all__ = ["Engine", "load_mods"]
@@ -61,7 +64,33 @@ class Engine:
         self._ingest = IngestClient(config.ingest) if config.ingest.url else None
         self._active: set[str] = set()
         self._lock = threading.Lock()
+        self.store: ActivationStore | None = None
+        self.recorder: ActivationRecorder | None = None
+        if config.activations.enabled:
+            self.store = ActivationStore.from_config(config.activations)
+        if config.sae.enabled:
+            self.recorder = self._build_recorder()
 
+    def _build_recorder(self) -> ActivationRecorder:
+        """Load the SAE, have the backend keep its layer, and route encoded rows to the store."""
+        sae, info, store = self.config.sae, self.backend.info, self.store
+        assert store is not None  # RaylensConfig refuses sae.enabled without activations.enabled
+        encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
+                                  model_layers=info.num_layers,
+                                  device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
+        self.backend.capture_hidden_layers([encoder.identity.layer])
+
+        def write(rows: Any, batch_id: str, request_id: str) -> int:
+            return store.append_activations(rows, batch_id=batch_id, request_id=request_id)
+
+        def missing(block: HiddenBlock, reason: str) -> None:
+            store.record_missing_block(batch_id=block.batch_id, request_id=block.request_id,
+                                       first_step=min(block.steps), last_step=max(block.steps),
+                                       token_count=len(block.token_ids), reason=reason)
+
+        return ActivationRecorder(encoder, write, missing, mode=sae.mode, block_steps=sae.block_steps,
+                                  max_pending_blocks=sae.max_pending_blocks, model_id=info.model_id,
+                                  skip_first_position=sae.skip_first_position)
     @classmethod
     def from_config(cls, path: str | Path | None = None, *,
                     overrides: Mapping[str, Mapping[str, Any]] | None = None) -> "Engine":
@@ -72,7 +101,18 @@ class Engine:
     def tokenizer(self) -> Any:
         return self.backend.tokenizer()
 
+    def flush(self) -> None:
+        """Wait until every hidden-state block handed to the nearline encoder is stored."""
+        if self.recorder is not None:
+            self.recorder.drain()
+
     def close(self) -> None:
+        """Finish pending SAE work (nothing in flight is lost), then release everything."""
+        if self.recorder is not None:
+            self.recorder.close()
+            self.backend.capture_hidden_layers([])
+        if self.store is not None:
+            self.store.close()
         if self._ingest is not None:
             self._ingest.close()
         if self._owns_backend:
@@ -182,7 +222,7 @@ class Engine:
         started = time.perf_counter()
         try:
             state = run_generation(self.backend, request, ModManager(loaded, tokenizer=self.tokenizer), recorder,
-                                   on_event=on_event)
+                                   on_event=on_event, hidden_sink=self.recorder)
         finally:
             self.backend.release(request_id)
             with self._lock:
@@ -219,6 +259,18 @@ class Engine:
         if self._ingest is not None:
             delivery = self._ingest.send(payload)
             metadata["ingest"] = {"delivered": delivery.delivered, "spooled_to": delivery.spooled_to}
+        if self.recorder is not None:
+            identity = self.recorder.encoder.identity
+            metadata["sae"] = {"mode": self.recorder.mode, "release": identity.release, "sae_id": identity.sae_id,
+                               "layer": identity.layer, "top_k": identity.top_k, **self.recorder.stats.as_dict()}
+        if self.store is not None:
+            self.store.record_request(RequestRecord(
+                request_id=state.request_id, model_id=info.model_id,
+                prompt_text=self.tokenizer.decode(state.prompt_ids), output_text=output_text,
+                prompt_ids=list(state.prompt_ids), output_ids=list(state.generated),
+                finish_reason=str(state.finish),
+                config={"sampling": dataclasses.asdict(state.request.sampling), "max_tokens": state.max_tokens,
+                        "layer": self.config.backend.hidden_state_layer, "sae": metadata.get("sae")}))
         return GenerationResult(
             request_id=state.request_id, prompt_ids=list(state.prompt_ids), output_ids=output_ids,
             output_text=output_text, finish_reason=state.finish, events=state.events, actions=state.actions,

@@ -72,12 +72,12 @@ from mods.types import (
     ToolCalls,
 )
 
-from .backends.base import Backend
+from .backends.base import Backend, ForwardRecord
 from .result import FinishReason, IgnoredAction
 from .sampling import SamplingParams
 from .tensor import as_torch
 
-__all__ = ["GenerationRequest", "RequestState", "Recorder", "run_generation"]
+__all__ = ["GenerationRequest", "RequestState", "Recorder", "HiddenSink", "run_generation"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,14 @@ class GenerationRequest:
     stop_ids: frozenset[int]
     step_limit: int
     seed: int | None = None
+
+
+class HiddenSink(Protocol):
+    """Where the hidden states of every forward pass go (SAE encoding), when asked for."""
+
+    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
 
 
 class Recorder(Protocol):
@@ -164,8 +172,16 @@ class _Loop:
     recorder: Recorder
     state: RequestState
     on_event: Callable[[ModEvent], None] | None
+    hidden_sink: HiddenSink | None = None
 
     # ------------------------------------------------------------------------------- plumbing
+
+    def report_forward(self, step: int) -> None:
+        """Hand the newest forward's hidden states to the sink (nearline: no waiting on encoding)."""
+        if self.hidden_sink is not None:
+            record = self.backend.take_forward_record(self.state.request_id)
+            if record is not None:
+                self.hidden_sink.on_forward(self.state.request_id, step, record)
 
     def dispatch(self, event: ModEvent) -> list[_Call]:
         self.state.events.append(event)
@@ -275,6 +291,7 @@ class _Loop:
                     if tokens:
                         state.prompt_ids = tokens
                         self.backend.prefill(state.request_id, tokens, state.max_tokens)
+                        self.report_forward(0)
                     self.applied(item)
                     return self.ignore_rest(calls[i + 1:], action)
                 case ForceOutput() | ToolCalls() | EmitError():
@@ -377,6 +394,7 @@ class _Loop:
         state.force_accepted = False
         state.step_committed = []
         forward = backend.forward_pass(rid, state.step)
+        self.report_forward(state.step)
         plan = self.apply_forward_pass(self.dispatch(forward))
         sampled_token: int | None = None
         if state.finish is None and not plan.backtracked and not state.forced_queue:
@@ -419,20 +437,24 @@ def run_generation(
     recorder: Recorder,
     *,
     on_event: Callable[[ModEvent], None] | None = None,
+    hidden_sink: HiddenSink | None = None,
 ) -> RequestState:
     """Run one request to completion and return its final state (token ids, no text)."""
     queue = manager.forced_queues.setdefault(request.request_id, [])
     queue.clear()
     state = RequestState(request, list(request.input_ids), request.max_tokens, queue)
-    loop = _Loop(backend, manager, recorder, state, on_event)
+    loop = _Loop(backend, manager, recorder, state, on_event, hidden_sink)
     try:
         started = time.perf_counter()
         prefilled = backend.prefill(request.request_id, request.input_ids, request.max_tokens, seed=request.seed)
         state.prefill_ms = (time.perf_counter() - started) * 1000.0
+        loop.report_forward(0)
         loop.apply_prefilled(loop.dispatch(prefilled))
         while state.finish is None:
             loop.run_step()
     finally:
         manager.forced_queues.pop(request.request_id, None)
         manager.forced_reason_queues.pop(request.request_id, None)
+        if hidden_sink is not None:
+            hidden_sink.finish(request.request_id)
     return state

@@ -68,7 +68,7 @@ class CapturePlan:
 
     hidden_layers: tuple[int, ...] = ()
     attention_layer: int | None = None
-    newest_row_only: bool = True  # decode: the newest query row only; prefill: every row
+    newest_row_only: bool = True  # attention: the newest query row only (decode) or every row (prefill)
 
 
 @dataclass
@@ -84,8 +84,8 @@ class AttentionCapture:
 class Captured:
     """Internals of one forward pass, batch dimension removed.
 
-    ``hidden[layer]``: ``(q, d)``; ``attention``: ``(heads, q, kv)`` (``q = 1`` when only the
-    newest row was asked for).
+    ``hidden[layer]``: ``(q, d)`` for the ``q`` tokens fed; ``attention``: ``(heads, q, kv)``
+    (``q = 1`` when only the newest row was asked for).
     """
 
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -163,9 +163,26 @@ def forward_kwargs(plan: CapturePlan) -> tuple[dict[str, Any], AttentionCapture 
 
 
 def read_captured(outputs: Any, plan: CapturePlan, capture: AttentionCapture | None) -> Captured:
-    hidden = {}
-    if plan.hidden_layers:
-        for layer in plan.hidden_layers:
-            states = outputs.hidden_states[hidden_states_index(layer)][0]  # (q, d)
-            hidden[layer] = states[-1:] if plan.newest_row_only else states
+    """Every fed token's hidden states (an SAE needs all of a forced chunk); events slice the newest."""
+    hidden = {layer: outputs.hidden_states[hidden_states_index(layer)][0] for layer in plan.hidden_layers}  # (q, d)
     return Captured(hidden, capture.pattern if capture is not None else None)
+
+
+def residual_stream(model: Any, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """The residual stream after ``layer`` for ``input_ids (B, T)`` → ``(B, T, d)``, running only
+    layers ``0..layer`` (for collecting SAE training data: the layers above are never computed).
+
+    Equals ``model(..., output_hidden_states=True).hidden_states[hidden_states_index(layer)]`` for
+    full, unpadded causal sequences; the last layer's entry (which transformers ties to the
+    normed output) is not offered.
+    """
+    inner = model.model
+    check_layer(layer, len(inner.layers) - 1, parameter="layer")
+    if model.config._attn_implementation == "eager":  # eager would need an explicit causal mask
+        raise ValueError("residual_stream needs an SDPA-family attention implementation, not eager")
+    hidden = inner.embed_tokens(input_ids)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    position_embeddings = inner.rotary_emb(hidden, position_ids=positions)
+    for block in inner.layers[: layer + 1]:  # attention_mask None + no cache: SDPA runs plainly causal
+        hidden = block(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=positions)
+    return hidden

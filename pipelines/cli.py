@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -62,6 +63,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", default=None)
     p.add_argument("--request-id")
     p.add_argument("--config", help="YAML config (default: configs/local.yaml or $RAYLENS_CONFIG)")
+    p.add_argument("--sae", action="store_true", help="extract SAE features into the activation store")
     p.add_argument("--json", action="store_true", help="print the result (and payload) as JSON")
     p.set_defaults(func=_cmd_generate)
 
@@ -80,8 +82,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise UsageError("--input-ids must be comma-separated integers") from None
     # Mods load before the model so a broken mod file fails in a second, not after the model load.
     mods = load_mods(list(args.mod) + [_read_json(p, "mod payload") for p in args.mod_payload])
+    overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}} if args.sae else None
     print("raylens: loading model…", file=sys.stderr, flush=True)
-    with Engine.from_config(args.config) as engine:
+    with Engine.from_config(args.config, overrides=overrides) as engine:
         result = engine.generate(
             args.prompt, messages=messages, input_ids=input_ids, tools=tools, mods=mods,
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -101,6 +104,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         summary += f" mod error: {result.error}"
     if result.ignored_actions:
         summary += f" ({len(result.ignored_actions)} mod action(s) ignored; see --json)"
+    if "sae" in meta:
+        summary += (f" SAE rows stored in {engine.config.activations.db_path} "
+                    f"(raylens query top --request-id {result.request_id})")
     print(summary, file=sys.stderr)
     return 0
 
@@ -132,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_generate, _add_bench):
         add(sub)
+    from .store_commands import add_commands
+
+    add_commands(sub)
     return parser
 
 
@@ -159,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raylens: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `raylens query … | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

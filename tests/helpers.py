@@ -148,6 +148,9 @@ class ScriptedBackend:
     def get_attention_patterns(self, request_id: str, layer: int) -> None:
         return None
 
+    def take_forward_record(self, request_id: str) -> None:
+        return None
+
     def release(self, request_id: str) -> None:
         self.sequences.pop(request_id, None)
 

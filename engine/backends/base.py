@@ -20,7 +20,7 @@ from mods.types import Added, ForwardPass, Prefilled, Sampled
 from ..config import BackendConfig
 from ..sampling import SamplingParams
 
-__all__ = ["Backend", "ModelInfo"]
+__all__ = ["Backend", "ModelInfo", "ForwardRecord"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,19 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     device: str
     dtype: str
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """The tokens one forward pass read and their hidden states, for SAE encoding.
+
+    ``hidden[layer]`` is ``(len(token_ids), d)``, on the model's device; the tokens sit at
+    positions ``start_position, start_position + 1, …``.
+    """
+
+    start_position: int
+    token_ids: tuple[int, ...]
+    hidden: dict[int, Any]
 
 
 @runtime_checkable
@@ -62,6 +75,10 @@ class Backend(Protocol):
     def get_hidden_states(self, request_id: str, layer: int) -> Any | None: ...
 
     def get_attention_patterns(self, request_id: str, layer: int) -> Any | None: ...
+
+    def take_forward_record(self, request_id: str) -> ForwardRecord | None:
+        """The newest forward's record, once (None if that forward was already taken)."""
+        ...
 
     def release(self, request_id: str) -> None: ...
 

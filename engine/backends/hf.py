@@ -34,7 +34,7 @@ from ..internals import (
 from ..models import load_model_and_tokenizer
 from ..sampling import SamplingParams, make_generator, sample
 from ..tensor import TensorShim
-from .base import ModelInfo
+from .base import ForwardRecord, ModelInfo
 
 __all__ = ["HuggingFaceBackend"]
 
@@ -49,6 +49,7 @@ class _Sequence:
     cached: int = 0  # tokens whose keys/values are in ``cache``
     logits: torch.Tensor | None = None  # (V,) for the position after token ``cached - 1``
     captured: Captured = field(default_factory=Captured)
+    record: ForwardRecord | None = None  # the newest forward, until the loop takes it
 
 
 class HuggingFaceBackend:
@@ -110,6 +111,7 @@ class HuggingFaceBackend:
         """Also keep these layers' hidden states each forward (e.g. for an SAE on another layer)."""
         self._extra_hidden_layers = tuple(check_layer(layer, self.info.num_layers, parameter="layer")
                                           for layer in layers)
+        # (records are kept only while someone asked for extra layers: nobody else takes them)
 
     def _plan(self, *, newest_row_only: bool) -> CapturePlan:
         hidden = tuple(dict.fromkeys(
@@ -137,7 +139,8 @@ class HuggingFaceBackend:
 
     def _forward(self, seq: _Sequence, plan: CapturePlan) -> None:
         """Feed every token not yet in the cache; keep logits and internals of the newest."""
-        new = seq.tokens[seq.cached:]
+        start = seq.cached
+        new = seq.tokens[start:]
         ids = torch.tensor([new], dtype=torch.long, device=self.device)  # (1, q)
         kwargs, capture = forward_kwargs(plan)
         with torch.inference_mode():
@@ -145,6 +148,7 @@ class HuggingFaceBackend:
         seq.cached = len(seq.tokens)
         seq.logits = out.logits[0, -1].float()  # (V,)
         seq.captured = read_captured(out, plan, capture)
+        seq.record = ForwardRecord(start, tuple(new), seq.captured.hidden) if self._extra_hidden_layers else None
 
     def _shim(self, tensor: torch.Tensor | None) -> TensorShim | None:
         return TensorShim(tensor) if tensor is not None else None
@@ -226,6 +230,11 @@ class HuggingFaceBackend:
         if layer != self.layer:
             return None
         return self._shim(self._sequence(request_id).captured.attention)
+
+    def take_forward_record(self, request_id: str) -> ForwardRecord | None:
+        seq = self._sequence(request_id)
+        record, seq.record = seq.record, None
+        return record
 
     def release(self, request_id: str) -> None:
         self._sequences.pop(request_id, None)

@@ -1,0 +1,191 @@
+"""SAE encoding through sae-lens: find an SAE, check it fits the model, encode hidden states to
+top-k features.
+
+SAEs load with sae-lens' own classes — ``SAE.from_pretrained(release, sae_id)`` for published
+releases (Llama Scope folds its norm scaling into the weights there) and ``SAE.load_from_disk``
+for a directory in sae-lens' format — so every architecture it knows (standard, top-k, JumpReLU,
+…) encodes with its own maths. The only step written here is the top-k selection,
+:meth:`SAEEncoder.encode_topk`.
+
+``import sae_lens`` takes ~15 s cold (it pulls transformer-lens, datasets, plotly), so it is
+imported only when an SAE is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import RaylensError
+
+__all__ = [
+    "SAESource",
+    "SAE_REGISTRY",
+    "SAEIdentity",
+    "SAEEncoder",
+    "SAELoadError",
+    "SAEShapeError",
+    "resolve_sae",
+    "sae_layer_from_hook",
+    "ASSETS",
+]
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+class SAELoadError(RaylensError):
+    """An SAE cannot be found or read (missing directory, corrupt files, unknown name)."""
+
+
+class SAEShapeError(RaylensError, ValueError):
+    """An SAE does not fit the model (input width, hook point)."""
+
+
+@dataclass(frozen=True)
+class SAESource:
+    """Where an SAE comes from: a sae-lens release (hub) or a local directory."""
+
+    description: str
+    release: str | None = None
+    sae_id_template: str | None = None  # formatted with the layer, e.g. "l{layer}r_8x"
+    path: Path | None = None
+    neuronpedia_template: str | None = None  # "<model>/<sae>" on Neuronpedia, formatted with the layer
+
+
+#: Named SAEs (``sae.sae_id`` / ``CONCORDANCE_SAE_ID``). Any other value must be a directory.
+SAE_REGISTRY: dict[str, SAESource] = {
+    "llama_scope_lxr_8x": SAESource(
+        description="Llama Scope residual-stream SAEs for Llama-3.1-8B, 32k features (sae-lens release)",
+        release="llama_scope_lxr_8x",
+        sae_id_template="l{layer}r_8x",
+        neuronpedia_template="llama3.1-8b/{layer}-llamascope-res-32k",
+    ),
+    "smollm2-135m-instruct-l16": SAESource(
+        description="raylens' TopK SAE for the embedded SmolLM2-135M-Instruct, layer 16 (pipelines/train_sae.py)",
+        path=ASSETS / "saes" / "smollm2-135m-instruct-l16",
+    ),
+}
+
+
+def resolve_sae(sae_id: str) -> SAESource:
+    if sae_id in SAE_REGISTRY:
+        return SAE_REGISTRY[sae_id]
+    path = Path(sae_id)
+    if path.is_dir():
+        return SAESource(description=f"local SAE directory {path}", path=path)
+    raise SAELoadError(
+        f"`sae_id` must be one of {', '.join(SAE_REGISTRY)} or an SAE directory in sae-lens format, "
+        f"got {sae_id!r}", parameter="sae_id", value=sae_id)
+
+
+_HOOK = re.compile(r"^blocks\.(\d+)\.hook_resid_(post|pre)$")
+
+
+def sae_layer_from_hook(hook_name: str | None) -> int:
+    """The model layer whose output an SAE reads: ``blocks.L.hook_resid_post`` → L,
+    ``blocks.L.hook_resid_pre`` → L - 1 (the residual stream entering L)."""
+    match = _HOOK.match(hook_name or "")
+    if not match or (match.group(2) == "pre" and match.group(1) == "0"):
+        raise SAEShapeError(f"the SAE's hook point must be a residual stream (blocks.L.hook_resid_post), "
+                            f"got {hook_name!r}", parameter="hook_name", value=hook_name)
+    layer = int(match.group(1))
+    return layer if match.group(2) == "post" else layer - 1
+
+
+@dataclass(frozen=True)
+class SAEIdentity:
+    """What every stored activation row says about the SAE that produced it."""
+
+    release: str  # registry name, or the directory for local SAEs
+    sae_id: str
+    layer: int
+    hook_name: str
+    d_in: int
+    d_sae: int
+    top_k: int
+    neuronpedia_id: str | None = None
+
+
+def _load_sae(source: SAESource, name: str, layer: int, device: str, dtype: str) -> tuple[Any, str]:
+    from sae_lens import SAE
+
+    if source.release is not None:
+        sae_id = (source.sae_id_template or "{layer}").format(layer=layer)
+        try:
+            return SAE.from_pretrained(source.release, sae_id, device=device, dtype=dtype), sae_id
+        except Exception as err:  # network, gated repos, unknown ids: all surface as one kind
+            raise SAELoadError(f"cannot load SAE {source.release}/{sae_id} through sae-lens: {err} "
+                               "(pretrained SAEs download from the HuggingFace hub)") from err
+    assert source.path is not None
+    path = source.path
+    missing = [f for f in ("cfg.json", "sae_weights.safetensors") if not (path / f).is_file()]
+    if missing:
+        raise SAELoadError(f"SAE directory `{path}` is missing {', '.join(missing)}; it must be in sae-lens' "
+                           "format (SAE.save_model / save_inference_model)", parameter="sae_id", value=str(path))
+    try:
+        return SAE.load_from_disk(path, device=device, dtype=dtype), path.name
+    except Exception as err:
+        raise SAELoadError(f"SAE directory `{path}` cannot be loaded: {type(err).__name__}: {err}",
+                           parameter="sae_id", value=str(path)) from err
+
+
+class SAEEncoder:
+    """One loaded SAE plus the top-k step; encodes ``(n, d)`` blocks in batches, without grad."""
+
+    def __init__(self, sae: Any, identity: SAEIdentity, *, batch_tokens: int = 4096) -> None:
+        self.sae = sae
+        self.identity = identity
+        self.batch_tokens = batch_tokens
+        self.device = torch.device(str(sae.device)) if hasattr(sae, "device") else torch.device("cpu")
+        self.dtype = next(sae.parameters()).dtype
+
+    @classmethod
+    def load(cls, sae_id: str, *, layer: int | None, top_k: int, model_hidden_size: int, model_layers: int,
+             device: str = "cpu", dtype: str = "float32", batch_tokens: int = 4096) -> "SAEEncoder":
+        """Load and check: the SAE's input width must be the model's hidden size, and its hook
+        layer must be ``layer`` (when given) and exist in the model."""
+        source = resolve_sae(sae_id)
+        sae, resolved_id = _load_sae(source, sae_id, layer if layer is not None else 0, device, dtype)
+        hook_name = getattr(sae.cfg.metadata, "hook_name", None)
+        sae_layer = sae_layer_from_hook(hook_name)
+        if layer is not None and sae_layer != layer:
+            raise SAEShapeError(f"`sae.layer` must match the SAE's hook {hook_name} (layer {sae_layer}), got {layer}",
+                                parameter="layer", value=layer)
+        if not 0 <= sae_layer < model_layers:
+            raise SAEShapeError(f"the SAE reads layer {sae_layer}, but the model has layers 0..{model_layers - 1}",
+                                parameter="layer", value=sae_layer)
+        if sae.cfg.d_in != model_hidden_size:
+            raise SAEShapeError(
+                f"the SAE's input width must equal the model's hidden size {model_hidden_size}, got d_in="
+                f"{sae.cfg.d_in}; pick an SAE trained on this model", parameter="d_in", value=sae.cfg.d_in)
+        if not 1 <= top_k <= sae.cfg.d_sae:
+            raise SAEShapeError(f"`top_k` must be in [1, {sae.cfg.d_sae}], got {top_k}", parameter="top_k", value=top_k)
+        neuronpedia = source.neuronpedia_template.format(layer=sae_layer) if source.neuronpedia_template else None
+        identity = SAEIdentity(
+            release=source.release or (sae_id if sae_id in SAE_REGISTRY else str(source.path)),
+            sae_id=resolved_id, layer=sae_layer, hook_name=str(hook_name), d_in=int(sae.cfg.d_in),
+            d_sae=int(sae.cfg.d_sae), top_k=top_k, neuronpedia_id=neuronpedia,
+        )
+        return cls(sae.eval(), identity, batch_tokens=batch_tokens)
+
+    @torch.no_grad()
+    def encode_topk(self, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``block (n, d_in)`` → ``values (n, k)``, ``indices (n, k)``: each token's ``k`` strongest
+        features, descending. A feature that is not active has value 0 (TopK/JumpReLU SAEs can have
+        fewer than ``k`` active features); callers drop those."""
+        k = self.identity.top_k
+        values, indices = [], []
+        for start in range(0, block.shape[0], self.batch_tokens):
+            chunk = block[start:start + self.batch_tokens].to(device=self.device, dtype=self.dtype)
+            acts = self.sae.encode(chunk)  # (b, d_sae), the SAE's own activation function
+            top = torch.topk(acts.float(), k, dim=-1, sorted=True)
+            values.append(top.values)
+            indices.append(top.indices)
+        if not values:
+            empty = torch.empty(0, k)
+            return empty, empty.long()
+        return torch.cat(values), torch.cat(indices)

@@ -1,0 +1,302 @@
+"""ActivationStore: the one owner of a DuckDB activation database, plus Parquet export.
+
+DuckDB lets exactly one process open a database file for writing; this class holds that one
+explicit connection (never DuckDB's hidden module-global one) and gives each thread its own
+cursor, as DuckDB's Python docs prescribe for threads. In a Ray deployment the StoreActor is the
+process that owns it.
+
+Writes: rows arrive as Arrow tables and go in with one ``INSERT … SELECT`` per batch, in one
+transaction together with the batch's id in ``write_batches`` — so a batch is either wholly in
+the store or not at all (a crash loses at most the batch in flight), and appending the same batch
+id again is a no-op (retries are safe).
+
+Retention deletes rows older than N days. DuckDB reuses freed blocks but never shrinks the file,
+so retention then compacts: it copies the live data into a fresh file and swaps it in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+import duckdb
+import pyarrow as pa
+
+from .config import ActivationsConfig
+from .errors import RaylensError
+from .store_schema import ACTIVATION_SCHEMA, LATEST_VERSION, MIGRATIONS
+
+__all__ = [
+    "ActivationStore",
+    "StoreError",
+    "StoreLockedError",
+    "StoreNotFoundError",
+    "StoreSchemaError",
+    "RequestRecord",
+    "RetentionResult",
+    "ExportResult",
+]
+
+
+class StoreError(RaylensError):
+    """The activation store cannot be opened or written."""
+
+
+class StoreLockedError(StoreError):
+    """Another process holds the database. Recoverable once it closes."""
+
+    recoverable = True
+
+
+class StoreNotFoundError(StoreError):
+    """A read-only open of a store that was never written."""
+
+
+class StoreSchemaError(StoreError):
+    """The store lacks a table or is newer than this code."""
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One generation, readable without the ingest backend."""
+
+    request_id: str
+    model_id: str
+    prompt_text: str | None
+    output_text: str
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    finish_reason: str
+    config: dict[str, Any]
+    created_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class RetentionResult:
+    deleted_rows: int
+    deleted_requests: int
+    bytes_before: int
+    bytes_after: int
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    directory: str
+    rows: int
+    files: list[str]
+
+
+def _scalar(cur: duckdb.DuckDBPyConnection, sql: str, params: list[Any] | None = None) -> Any:
+    """The first value of a query's first row, or None. Reads the whole result: DuckDB 2 refuses
+    new work on a connection with a half-read result."""
+    rows = cur.execute(sql, params or []).fetchall()
+    return rows[0][0] if rows else None
+
+
+def _sql_string(text: str) -> str:
+    """A SQL string literal, for the few statements (ATTACH, COPY TO) that take no parameters."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+class ActivationStore:
+    def __init__(self, db_path: str | Path, parquet_path: str | Path | None = None, *, read_only: bool = False,
+                 threads: int = 2, memory_limit: str = "1GB") -> None:
+        self.db_path = Path(db_path)
+        self.parquet_path = Path(parquet_path) if parquet_path is not None else self.db_path.parent / "parquet"
+        self.read_only = read_only
+        self._settings = {"threads": threads, "memory_limit": memory_limit}
+        self._local = threading.local()
+        self._write_lock = threading.Lock()
+        self._con = self._connect()
+        if not read_only:
+            self.migrate()
+        self._check_version()
+
+    @classmethod
+    def from_config(cls, cfg: ActivationsConfig, *, read_only: bool = False) -> "ActivationStore":
+        return cls(cfg.db_path, cfg.parquet_path, read_only=read_only, threads=cfg.threads,
+                   memory_limit=cfg.memory_limit)
+
+    # ------------------------------------------------------------------------------ connection
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        if self.read_only and not self.db_path.is_file():
+            raise StoreNotFoundError(f"no activation store at `{self.db_path}`; run a generation with --sae first "
+                                     "(or point activations.db_path at an existing store)")
+        if not self.read_only:
+            try:
+                self.db_path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(f"cannot create the store directory `{self.db_path.parent}`: {err.strerror}") from err
+        try:
+            return duckdb.connect(str(self.db_path), read_only=self.read_only, config=self._settings)
+        except duckdb.IOException as err:
+            message = str(err)
+            if "lock" in message.lower():
+                raise StoreLockedError(
+                    f"the activation store `{self.db_path}` is open in another process ({message.split('(')[-1].rstrip(').')}). "
+                    "DuckDB allows one writer: stop that process, or go through the StoreActor (raylens status)"
+                ) from None
+            raise StoreError(f"cannot open the activation store `{self.db_path}`: {message}") from err
+        except duckdb.Error as err:
+            raise StoreError(f"cannot open the activation store `{self.db_path}`: {err}") from err
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """This thread's cursor on the one connection."""
+        cur = getattr(self._local, "cursor", None)
+        if cur is None:
+            cur = self._local.cursor = self._con.cursor()
+        return cur
+
+    def close(self) -> None:
+        if self._con is not None:
+            self._con.close()
+            self._con = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "ActivationStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------- schema
+
+    def schema_version(self) -> int:
+        try:
+            version = _scalar(self.cursor(), "SELECT max(version) FROM schema_migrations")
+        except duckdb.CatalogException:
+            return 0
+        return int(version or 0)
+
+    def migrate(self) -> list[int]:
+        """Apply every migration not yet recorded; returns the versions applied."""
+        cur = self.cursor()
+        cur.execute("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, "
+                    "description VARCHAR NOT NULL, applied_at TIMESTAMPTZ NOT NULL)")
+        current = self.schema_version()
+        applied = []
+        for migration in MIGRATIONS:
+            if migration.version <= current:
+                continue
+            cur.execute("BEGIN TRANSACTION")
+            try:
+                for statement in migration.statements:
+                    cur.execute(statement)
+                cur.execute("INSERT INTO schema_migrations VALUES (?, ?, now())",
+                            [migration.version, migration.description])
+                cur.execute("COMMIT")
+            except Exception:
+                cur.execute("ROLLBACK")
+                raise
+            applied.append(migration.version)
+        return applied
+
+    def _check_version(self) -> None:
+        version = self.schema_version()
+        if version > LATEST_VERSION:
+            raise StoreSchemaError(f"the store `{self.db_path}` has schema version {version}, newer than this "
+                                   f"raylens ({LATEST_VERSION}); upgrade raylens")
+
+    # ------------------------------------------------------------------------------- writes
+
+    def append_activations(self, rows: pa.Table, *, batch_id: str, request_id: str) -> int:
+        """Append one batch atomically; returns rows written (0 when ``batch_id`` is already stored)."""
+        if self.read_only:
+            raise StoreError("this store was opened read-only")
+        rows = rows.select(ACTIVATION_SCHEMA.names).cast(ACTIVATION_SCHEMA)
+        cur = self.cursor()
+        with self._write_lock:
+            cur.execute("BEGIN TRANSACTION")
+            try:
+                if _scalar(cur, "SELECT 1 FROM write_batches WHERE batch_id = ?", [batch_id]):
+                    cur.execute("ROLLBACK")
+                    return 0
+                cur.register("incoming_rows", rows)
+                cur.execute("INSERT INTO activations SELECT * FROM incoming_rows")
+                cur.unregister("incoming_rows")
+                cur.execute("INSERT INTO write_batches VALUES (?, ?, ?, now())", [batch_id, request_id, rows.num_rows])
+                cur.execute("COMMIT")
+            except Exception:
+                cur.execute("ROLLBACK")
+                raise
+        return rows.num_rows
+
+    def record_missing_block(self, *, batch_id: str, request_id: str, first_step: int, last_step: int,
+                             token_count: int, reason: str) -> None:
+        """Record that a block's features could not be computed (never a silent gap)."""
+        with self._write_lock:
+            self.cursor().execute(
+                "INSERT INTO missing_blocks VALUES (?, ?, ?, ?, ?, ?, now()) ON CONFLICT (batch_id) DO UPDATE "
+                "SET reason = excluded.reason, recorded_at = excluded.recorded_at",
+                [batch_id, request_id, first_step, last_step, token_count, reason[:2000]])
+
+    def record_request(self, record: RequestRecord) -> None:
+        created = record.created_at or datetime.now(timezone.utc)
+        with self._write_lock:
+            self.cursor().execute(
+                "INSERT INTO requests VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO UPDATE SET "
+                "output_text = excluded.output_text, output_ids = excluded.output_ids, "
+                "finish_reason = excluded.finish_reason, config = excluded.config",
+                [record.request_id, created, record.model_id, record.prompt_text, record.output_text,
+                 list(record.prompt_ids), list(record.output_ids), record.finish_reason,
+                 json.dumps(record.config, default=str)])
+
+    # ---------------------------------------------------------------------------- housekeeping
+
+    def counts(self) -> dict[str, int]:
+        cur = self.cursor()
+        return {table: int(_scalar(cur, f"SELECT count(*) FROM {table}"))  # fixed table names, no input
+                for table in ("activations", "requests", "write_batches", "missing_blocks")}
+
+    def apply_retention(self, days: int, *, compact: bool = True, now: datetime | None = None) -> RetentionResult:
+        """Delete rows (and requests) older than ``days``; with ``compact``, shrink the file."""
+        if days < 1:
+            raise StoreError(f"`days` must be >= 1, got {days}")
+        cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=days)
+        before = self._file_bytes()
+        cur = self.cursor()
+        with self._write_lock:
+            cur.execute("BEGIN TRANSACTION")
+            rows = _scalar(cur, "DELETE FROM activations WHERE created_at < ?", [cutoff])
+            requests = _scalar(cur, "DELETE FROM requests WHERE created_at < ?", [cutoff])
+            cur.execute("DELETE FROM write_batches WHERE written_at < ?", [cutoff])
+            cur.execute("COMMIT")
+            cur.execute("CHECKPOINT")
+            if compact and rows:
+                self._compact()
+        return RetentionResult(int(rows), int(requests), before, self._file_bytes())
+
+    def _file_bytes(self) -> int:
+        wal = self.db_path.with_name(self.db_path.name + ".wal")
+        return sum(p.stat().st_size for p in (self.db_path, wal) if p.exists())
+
+    def _compact(self) -> None:
+        """Copy the live data into a new file and swap it in (DuckDB never shrinks a file itself)."""
+        fresh = self.db_path.with_name(self.db_path.name + ".compact")
+        fresh.unlink(missing_ok=True)
+        cur = self.cursor()
+        name = _scalar(cur, "SELECT current_database()")
+        cur.execute(f"ATTACH {_sql_string(str(fresh))} AS raylens_compact")
+        cur.execute(f'COPY FROM DATABASE "{name}" TO raylens_compact')
+        cur.execute("DETACH raylens_compact")
+        self.close()
+        os.replace(fresh, self.db_path)
+        self._local = threading.local()
+        self._con = self._connect()
+
+    def export_parquet(self, directory: str | Path | None = None) -> ExportResult:
+        """Write the activations as Parquet, partitioned by date (``date=YYYY-MM-DD/…``)."""
+        out = Path(directory) if directory is not None else self.parquet_path
+        out.mkdir(parents=True, exist_ok=True)
+        cur = self.cursor()
+        rows = int(_scalar(cur, "SELECT count(*) FROM activations"))
+        cur.execute(
+            "COPY (SELECT *, CAST(created_at AS DATE) AS date FROM activations) "
+            f"TO {_sql_string(str(out))} (FORMAT parquet, PARTITION_BY (date), OVERWRITE_OR_IGNORE true)")
+        files = sorted(str(p.relative_to(out)) for p in out.rglob("*.parquet"))
+        return ExportResult(str(out), rows, files)

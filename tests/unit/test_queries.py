@@ -1,0 +1,105 @@
+"""Store queries against small hand-built data with answers computed by hand."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pyarrow as pa
+import pytest
+
+from engine import queries
+from engine.errors import InvalidRequestError
+from engine.store import ActivationStore, RequestRecord
+from engine.store_schema import ACTIVATION_SCHEMA
+
+UTC = timezone.utc
+NOW = datetime.now(UTC)
+
+
+def table(entries: list[tuple]) -> pa.Table:
+    """entries: (request_id, step, position, token_id, feature, value, rank, age_days)."""
+    cols = list(zip(*entries))
+    return pa.table({
+        "request_id": list(cols[0]), "step": list(cols[1]), "token_position": list(cols[2]),
+        "token_id": list(cols[3]), "created_at": [NOW - timedelta(days=d) for d in cols[7]],
+        "sae_release": ["s"] * len(entries), "sae_layer": [16] * len(entries), "feature_id": list(cols[4]),
+        "activation_value": list(cols[5]), "rank": list(cols[6]), "source_mode": ["inline"] * len(entries),
+        "model_id": ["m"] * len(entries),
+    }, schema=ACTIVATION_SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q") / "q.duckdb"
+    with ActivationStore(path) as s:
+        # request A: prompt tokens at step 0 (positions 1-2), generated tokens read at steps 1-3
+        s.append_activations(table([
+            ("A", 0, 1, 100, 7, 1.0, 0, 0), ("A", 0, 1, 100, 9, 0.5, 1, 0),
+            ("A", 0, 2, 101, 9, 2.0, 0, 0),
+            ("A", 1, 3, 102, 7, 4.0, 0, 0), ("A", 1, 3, 102, 9, 3.0, 1, 0),
+            ("A", 2, 4, 103, 9, 1.5, 0, 0),
+            ("A", 3, 5, 104, 7, 2.5, 0, 0),
+        ]), batch_id="A/0", request_id="A")
+        s.append_activations(table([
+            ("B", 1, 7, 200, 7, 6.0, 0, 10), ("B", 2, 8, 201, 7, 5.5, 0, 1), ("B", 2, 8, 201, 3, 9.0, 1, 1),
+        ]), batch_id="B/0", request_id="B")
+        s.record_request(RequestRecord("A", "m", "p", "o", [50, 100, 101], [102, 103, 104], "stop", {}))
+        s.record_request(RequestRecord("B", "m", "p", "o", [60, 61, 62, 63, 64, 65, 66], [200, 201], "stop", {}))
+        yield s
+
+
+def test_feature_deltas_fill_gaps_with_zero_and_difference_in_time_order(store):
+    result = queries.feature_deltas(store, "A", 7).to_pylist()
+    assert [(r["step"], r["token_position"], r["activation"], r["delta"]) for r in result] == [
+        (0, 1, 1.0, 1.0),
+        (0, 2, 0.0, -1.0),  # feature 7 not in position 2's top-k
+        (1, 3, 4.0, 4.0),
+        (2, 4, 0.0, -4.0),
+        (3, 5, 2.5, 2.5),
+    ]
+    assert [r["token_id"] for r in result] == [100, 101, 102, 103, 104]
+
+
+def test_threshold_search_finds_every_firing_across_runs_and_respects_since(store):
+    hits = queries.threshold_search(store, 7, 2.5).to_pylist()
+    assert [(h["request_id"], h["step"], h["activation_value"]) for h in hits] == [
+        ("B", 1, 6.0), ("B", 2, 5.5), ("A", 1, 4.0), ("A", 3, 2.5)]
+    recent = queries.threshold_search(store, 7, 2.5, since=timedelta(days=7)).to_pylist()
+    assert [h["request_id"] for h in recent] == ["B", "A", "A"]  # B's 10-day-old row is out
+
+
+def test_top_features_per_request_and_per_step(store):
+    top = queries.top_features(store, "A").to_pylist()
+    assert [(t["feature_id"], t["max_activation"], t["tokens"], t["peak_step"]) for t in top] == [
+        (7, 4.0, 3, 1), (9, 3.0, 4, 1)]
+    assert top[0]["mean_activation"] == pytest.approx((1.0 + 4.0 + 2.5) / 3)
+    step0 = queries.top_features(store, "A", step=0).to_pylist()
+    assert [(t["feature_id"], t["max_activation"], t["peak_position"]) for t in step0] == [(9, 2.0, 2), (7, 1.0, 1)]
+
+
+def test_top_activating_tokens_come_with_their_context(store):
+    best = queries.top_activating_tokens(store, 7, limit=2, context=3).to_pylist()
+    assert [(b["request_id"], b["token_position"], b["token_id"]) for b in best] == [("B", 7, 200), ("B", 8, 201)]
+    # three tokens before (positions 4..6 of B's prompt + output), then the token itself
+    assert best[0]["context_ids"] == [64, 65, 66, 200]
+    assert best[1]["context_ids"] == [65, 66, 200, 201]
+
+
+def test_decode_tokens_adds_text(store):
+    class Tok:
+        def batch_decode(self, batch):
+            return ["|".join(str(i) for i in ids) for ids in batch]
+
+    decoded = queries.decode_tokens(queries.top_activating_tokens(store, 7, limit=1, context=2), Tok())
+    assert decoded.column("token").to_pylist() == ["200"] and decoded.column("context").to_pylist() == ["65|66|200"]
+
+
+def test_outputs_convert_to_pandas(store):
+    frame = queries.top_features(store, "A", output="pandas")
+    assert list(frame["feature_id"]) == [7, 9]
+
+
+def test_parse_since():
+    assert queries.parse_since("7d") == timedelta(days=7) and queries.parse_since("12h") == timedelta(hours=12)
+    with pytest.raises(InvalidRequestError, match="must look like 7d"):
+        queries.parse_since("yesterday")
