@@ -35,7 +35,8 @@ from .backends.base import ForwardRecord
 from .sae import SAEEncoder, SAEIdentity
 from .store_schema import ACTIVATION_SCHEMA
 
-__all__ = ["HiddenBlock", "ActivationRecorder", "RecorderStats", "encode_block", "rows_from_topk"]
+__all__ = ["HiddenBlock", "BlockAccumulator", "ActivationRecorder", "RecorderStats", "encode_block",
+           "rows_from_topk"]
 
 log = logging.getLogger("raylens.activations")
 
@@ -124,32 +125,19 @@ class RecorderStats:
 _STOP = object()
 
 
-class ActivationRecorder:
-    """The hidden-state sink of :func:`engine.generation.run_generation`."""
+class BlockAccumulator:
+    """Gathers each request's forwards into :class:`HiddenBlock` s of ``block_steps`` forwards and
+    hands every full block (and each request's remainder, at ``finish``) to ``on_block``."""
 
-    def __init__(self, encoder: SAEEncoder, write: Writer, record_missing: MissingRecorder, *,
-                 mode: Literal["nearline", "inline"], block_steps: int, max_pending_blocks: int,
-                 model_id: str, skip_first_position: bool = True) -> None:
-        self.encoder = encoder
-        self.skip_first_position = skip_first_position
-        self.layer = encoder.identity.layer
-        self.mode = mode
+    def __init__(self, layer: int, on_block: Callable[[HiddenBlock], None], *, block_steps: int,
+                 skip_first_position: bool = True) -> None:
+        self.layer = layer
         self.block_steps = block_steps
-        self.model_id = model_id
-        self._write = write
-        self._record_missing = record_missing
+        self.skip_first_position = skip_first_position
+        self._on_block = on_block
         self._open: dict[str, HiddenBlock] = {}
         self._next_index: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.stats = RecorderStats()
-        self._queue: queue.Queue[Any] | None = None
-        self._worker: threading.Thread | None = None
-        if mode == "nearline":
-            self._queue = queue.Queue(maxsize=max_pending_blocks)
-            self._worker = threading.Thread(target=self._run_worker, name="raylens-sae-encoder", daemon=True)
-            self._worker.start()
-
-    # ---------------------------------------------------------------------------- loop side
 
     def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> None:
         hidden = record.hidden.get(self.layer)
@@ -165,19 +153,56 @@ class ActivationRecorder:
                 self._next_index[request_id] = index + 1
                 block = self._open[request_id] = HiddenBlock(request_id, index)
             block.add(step, record, hidden)
-            full = self.mode == "inline" or block.forwards >= self.block_steps
+            full = block.forwards >= self.block_steps
             if full:
                 del self._open[request_id]
         if full:
-            self._submit(block)
+            self._on_block(block)
 
     def finish(self, request_id: str) -> None:
-        """Hand off what is left of a request's rows (called when its generation ends)."""
         with self._lock:
             block = self._open.pop(request_id, None)
             self._next_index.pop(request_id, None)
         if block is not None:
-            self._submit(block)
+            self._on_block(block)
+
+    def finish_all(self) -> None:
+        for request_id in list(self._open):
+            self.finish(request_id)
+
+
+class ActivationRecorder:
+    """The in-process hidden-state sink of :func:`engine.generation.run_generation`: inline, or
+    nearline on one background encoder thread."""
+
+    def __init__(self, encoder: SAEEncoder, write: Writer, record_missing: MissingRecorder, *,
+                 mode: Literal["nearline", "inline"], block_steps: int, max_pending_blocks: int,
+                 model_id: str, skip_first_position: bool = True) -> None:
+        self.encoder = encoder
+        self.mode = mode
+        self.model_id = model_id
+        self._write = write
+        self._record_missing = record_missing
+        self.stats = RecorderStats()
+        # inline encodes every forward at once: a block is one forward
+        self.blocks = BlockAccumulator(encoder.identity.layer, self._submit,
+                                       block_steps=1 if mode == "inline" else block_steps,
+                                       skip_first_position=skip_first_position)
+        self._queue: queue.Queue[Any] | None = None
+        self._worker: threading.Thread | None = None
+        if mode == "nearline":
+            self._queue = queue.Queue(maxsize=max_pending_blocks)
+            self._worker = threading.Thread(target=self._run_worker, name="raylens-sae-encoder", daemon=True)
+            self._worker.start()
+
+    # ---------------------------------------------------------------------------- loop side
+
+    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> None:
+        self.blocks.on_forward(request_id, step, record)
+
+    def finish(self, request_id: str) -> None:
+        """Hand off what is left of a request's rows (called when its generation ends)."""
+        self.blocks.finish(request_id)
 
     def _submit(self, block: HiddenBlock) -> None:
         self.stats.blocks_submitted += 1
@@ -228,8 +253,7 @@ class ActivationRecorder:
             self._queue.join()
 
     def close(self) -> None:
-        for request_id in list(self._open):
-            self.finish(request_id)
+        self.blocks.finish_all()
         if self._queue is not None and self._worker is not None:
             self._queue.put(_STOP)
             self._worker.join()

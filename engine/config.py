@@ -28,6 +28,7 @@ __all__ = [
     "IngestConfig",
     "ActivationsConfig",
     "SAEConfig",
+    "RayConfig",
     "RaylensConfig",
     "EnvVar",
     "ENV_VARS",
@@ -199,13 +200,82 @@ class SAEConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """The Ray deployment: actor counts, resources and bounds (read by pipelines/topology.py).
+
+    ``sae_worker_resource`` names a custom resource SAE workers require, so they run only on nodes
+    that offer it (e.g. ``sae_gpu`` on a second GPU box, see ray_cluster.yaml); None places them
+    anywhere. ``max_inflight_blocks`` bounds hidden-state blocks a generator has handed to SAE
+    workers and not yet seen stored: at the bound the token loop waits (back-pressure).
+    """
+
+    namespace: str = "raylens"
+    address: str = "auto"
+    dashboard_url: str = "http://127.0.0.1:8265"
+    generator_num_cpus: float = 1.0
+    generator_num_gpus: float = 0.0
+    generator_max_concurrency: int = 4
+    sae_workers: int = 2
+    sae_worker_num_cpus: float = 1.0
+    sae_worker_num_gpus: float = 0.0
+    sae_worker_resource: str | None = None
+    max_inflight_blocks: int = 8
+    store_num_cpus: float = 0.5
+    ingest_num_cpus: float = 0.25
+    ingest_batch_size: int = 16
+    ingest_flush_interval_s: float = 2.0
+    call_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        checks = [("sae_workers", self.sae_workers >= 1, ">= 1"),
+                  ("max_inflight_blocks", self.max_inflight_blocks >= 1, ">= 1"),
+                  ("generator_max_concurrency", self.generator_max_concurrency >= 1, ">= 1"),
+                  ("ingest_batch_size", self.ingest_batch_size >= 1, ">= 1"),
+                  ("ingest_flush_interval_s", self.ingest_flush_interval_s > 0, "> 0"),
+                  ("call_timeout_s", self.call_timeout_s > 0, "> 0")]
+        for name, ok, constraint in checks:
+            if not ok:
+                raise ConfigError(f"`ray.{name}` must be {constraint}, got {getattr(self, name)!r}", parameter=name,
+                                  value=getattr(self, name))
+
+
+@dataclass(frozen=True)
 class RaylensConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     sae: SAEConfig = field(default_factory=SAEConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     source: str | None = None  # the YAML file it came from, for messages
+
+    def with_paths_under(self, base: str | Path) -> "RaylensConfig":
+        """The same config with relative file paths made absolute under ``base`` — needed where the
+        working directory is a throwaway copy (a Ray Job's) but the data must outlive it."""
+        root = Path(base)
+
+        def absolute(path: str | None) -> str | None:
+            return path if path is None or Path(path).is_absolute() else str((root / path).resolve())
+
+        sae_id = self.sae.sae_id
+        if ("/" in sae_id or sae_id.startswith(".")) and not Path(sae_id).is_absolute():
+            sae_id = absolute(sae_id) or sae_id
+        return dataclasses.replace(
+            self,
+            activations=dataclasses.replace(self.activations, db_path=absolute(self.activations.db_path),
+                                            parquet_path=absolute(self.activations.parquet_path)),
+            ingest=dataclasses.replace(self.ingest, spool_dir=absolute(self.ingest.spool_dir)),
+            backend=dataclasses.replace(self.backend, model_cache_dir=absolute(self.backend.model_cache_dir)),
+            sae=dataclasses.replace(self.sae, sae_id=sae_id),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain sections, e.g. to hand to Ray actors (``from_dict`` rebuilds it)."""
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "source"}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Mapping[str, Any]]) -> "RaylensConfig":
+        return cls(**{name: _build_section(name, _SECTIONS[name], values) for name, values in data.items()})
 
     def __post_init__(self) -> None:
         if self.sae.enabled and not self.activations.enabled:
@@ -262,10 +332,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("CONCORDANCE_SAE_ID", "sae.sae_id", str, "SAE registry name or sae-lens directory"),
     EnvVar("CONCORDANCE_SAE_LAYER", "sae.layer", int, "the SAE's layer"),
     EnvVar("CONCORDANCE_SAE_TOP_K", "sae.top_k", int, "features stored per token"),
+    EnvVar("RAYLENS_RAY_ADDRESS", "ray.address", str, "Ray cluster address for jobs (default auto)"),
+    EnvVar("RAYLENS_DASHBOARD_URL", "ray.dashboard_url", str, "Ray dashboard / Jobs API URL"),
 )
 
 _SECTIONS: dict[str, type] = {"backend": BackendConfig, "generation": GenerationConfig, "ingest": IngestConfig,
-                              "activations": ActivationsConfig, "sae": SAEConfig}
+                              "activations": ActivationsConfig, "sae": SAEConfig, "ray": RayConfig}
 
 
 def default_config_path() -> Path:

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from mods import conversation
 from mods.legacy_names import install_legacy_names
 from mods.loading import ModSpec, resolve_mods
 from mods.manager import ModManager, mod_name
@@ -25,7 +26,7 @@ from .activations import ActivationRecorder, HiddenBlock
 from .backends import Backend, create_backend
 from .config import GenerationConfig, RaylensConfig, load_config
 from .errors import ConfigError, InvalidRequestError
-from .generation import GenerationRequest, run_generation
+from .generation import GenerationRequest, HiddenSink, run_generation
 from .ingest_client import IngestClient
 from .ingest_payload import PayloadRecorder
 from .result import FinishReason, GenerationResult
@@ -66,10 +67,18 @@ class Engine:
         self._lock = threading.Lock()
         self.store: ActivationStore | None = None
         self.recorder: ActivationRecorder | None = None
+        self._sink: HiddenSink | None = None
         if config.activations.enabled:
             self.store = ActivationStore.from_config(config.activations)
         if config.sae.enabled:
             self.recorder = self._build_recorder()
+            self._sink = self.recorder
+
+    def attach_hidden_sink(self, sink: HiddenSink, layer: int) -> None:
+        """Send every forward's hidden states at ``layer`` to ``sink`` (the Ray generator's SAE
+        hand-off uses this instead of the in-process recorder)."""
+        self.backend.capture_hidden_layers([layer])
+        self._sink = sink
 
     def _build_recorder(self) -> ActivationRecorder:
         """Load the SAE, have the backend keep its layer, and route encoded rows to the store."""
@@ -185,6 +194,7 @@ class Engine:
         stop_tokens: Sequence[int] | None = None,
         ignore_eos: bool | None = None,
         tools: list[dict[str, Any]] | None = None,
+        response_format: dict[str, Any] | None = None,
         request_id: str | None = None,
         on_event: Callable[[ModEvent], None] | None = None,
     ) -> GenerationResult:
@@ -192,6 +202,8 @@ class Engine:
 
         ``mods``: callables, ``.py`` paths (``path.py:function`` picks one) or payload dicts,
         called in order. Unset sampling parameters come from the config's ``generation`` section.
+        ``tools`` and ``response_format`` take the OpenAI shapes; with ``messages`` they are what
+        mods read through the conversation API (``get_conversation``, ``get_schemas``).
         """
         gen = self._generation_config(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                       seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
@@ -219,12 +231,16 @@ class Engine:
             if user_prompt else None,
         })
         self._claim(request_id)
+        conversation.set_conversation(request_id, messages if messages is not None else (
+            [{"role": "user", "content": prompt}] if prompt is not None else []))
+        conversation.set_schemas(request_id, conversation.schemas_from_request(response_format, tools))
         started = time.perf_counter()
         try:
             state = run_generation(self.backend, request, ModManager(loaded, tokenizer=self.tokenizer), recorder,
-                                   on_event=on_event, hidden_sink=self.recorder)
+                                   on_event=on_event, hidden_sink=self._sink)
         finally:
             self.backend.release(request_id)
+            conversation.clear_request(request_id)
             with self._lock:
                 self._active.discard(request_id)
         elapsed_ms = (time.perf_counter() - started) * 1000.0
@@ -251,6 +267,8 @@ class Engine:
             "layer": self.config.backend.hidden_state_layer,
             "prompt_tokens": len(state.prompt_ids),
             "generated_tokens": len(state.generated),
+            "max_tokens": state.max_tokens,
+            "sequence_ids": list(state.generated),  # what the model read after the prompt (stop ids kept)
             "steps": state.step,
             "prefill_ms": round(state.prefill_ms, 3),
             "total_ms": round(elapsed_ms, 3),
@@ -263,17 +281,23 @@ class Engine:
             identity = self.recorder.encoder.identity
             metadata["sae"] = {"mode": self.recorder.mode, "release": identity.release, "sae_id": identity.sae_id,
                                "layer": identity.layer, "top_k": identity.top_k, **self.recorder.stats.as_dict()}
-        if self.store is not None:
-            self.store.record_request(RequestRecord(
-                request_id=state.request_id, model_id=info.model_id,
-                prompt_text=self.tokenizer.decode(state.prompt_ids), output_text=output_text,
-                prompt_ids=list(state.prompt_ids), output_ids=list(state.generated),
-                finish_reason=str(state.finish),
-                config={"sampling": dataclasses.asdict(state.request.sampling), "max_tokens": state.max_tokens,
-                        "layer": self.config.backend.hidden_state_layer, "sae": metadata.get("sae")}))
-        return GenerationResult(
+        result = GenerationResult(
             request_id=state.request_id, prompt_ids=list(state.prompt_ids), output_ids=output_ids,
             output_text=output_text, finish_reason=state.finish, events=state.events, actions=state.actions,
             ignored_actions=state.ignored, payload=payload, metadata=metadata, tool_calls=state.tool_calls,
             error=state.error,
         )
+        if self.store is not None:
+            self.store.record_request(self.request_record(result, state.request.sampling))
+        return result
+
+    def request_record(self, result: GenerationResult, sampling: SamplingParams | None = None) -> RequestRecord:
+        """The requests-table row of a result: readable without the ingest backend."""
+        return RequestRecord(
+            request_id=result.request_id, model_id=self.backend.info.model_id,
+            prompt_text=self.tokenizer.decode(result.prompt_ids), output_text=result.output_text,
+            prompt_ids=list(result.prompt_ids), output_ids=list(result.metadata["sequence_ids"]),
+            finish_reason=str(result.finish_reason),
+            config={"sampling": dataclasses.asdict(sampling) if sampling else None,
+                    "max_tokens": result.metadata["max_tokens"], "layer": self.config.backend.hidden_state_layer,
+                    "sae": result.metadata.get("sae")})

@@ -220,6 +220,9 @@ class ActivationStore:
                 cur.execute("INSERT INTO activations SELECT * FROM incoming_rows")
                 cur.unregister("incoming_rows")
                 cur.execute("INSERT INTO write_batches VALUES (?, ?, ?, now())", [batch_id, request_id, rows.num_rows])
+                # the batch arrived: it is neither expected nor missing any more (it may be late)
+                cur.execute("DELETE FROM expected_blocks WHERE batch_id = ?", [batch_id])
+                cur.execute("DELETE FROM missing_blocks WHERE batch_id = ?", [batch_id])
                 cur.execute("COMMIT")
             except Exception:
                 cur.execute("ROLLBACK")
@@ -234,6 +237,38 @@ class ActivationStore:
                 "INSERT INTO missing_blocks VALUES (?, ?, ?, ?, ?, ?, now()) ON CONFLICT (batch_id) DO UPDATE "
                 "SET reason = excluded.reason, recorded_at = excluded.recorded_at",
                 [batch_id, request_id, first_step, last_step, token_count, reason[:2000]])
+
+    def expect_block(self, *, batch_id: str, request_id: str, first_step: int, last_step: int,
+                     token_count: int) -> None:
+        """Note a block handed to an SAE worker, unless it is already stored (calls may cross); for
+        an abandoned request it is recorded missing straight away."""
+        cur = self.cursor()
+        with self._write_lock:
+            if _scalar(cur, "SELECT 1 FROM write_batches WHERE batch_id = ?", [batch_id]):
+                return
+            reason = _scalar(cur, "SELECT reason FROM abandoned_requests WHERE request_id = ?", [request_id])
+            if reason is not None:
+                cur.execute("INSERT INTO missing_blocks VALUES (?, ?, ?, ?, ?, ?, now()) ON CONFLICT (batch_id) "
+                            "DO NOTHING", [batch_id, request_id, first_step, last_step, token_count, reason])
+                return
+            cur.execute("INSERT INTO expected_blocks VALUES (?, ?, ?, ?, ?, now()) ON CONFLICT (batch_id) DO NOTHING",
+                        [batch_id, request_id, first_step, last_step, token_count])
+
+    def abandon_request(self, request_id: str, reason: str) -> int:
+        """Turn a request's expected-but-unstored blocks into ``missing_blocks`` rows (its generator
+        died); returns how many. A block that still arrives later is stored and un-missed."""
+        cur = self.cursor()
+        with self._write_lock:
+            cur.execute("BEGIN TRANSACTION")
+            moved = _scalar(cur, "SELECT count(*) FROM expected_blocks WHERE request_id = ?", [request_id])
+            cur.execute(
+                "INSERT INTO missing_blocks SELECT batch_id, request_id, first_step, last_step, token_count, ?, now() "
+                "FROM expected_blocks WHERE request_id = ? ON CONFLICT (batch_id) DO NOTHING", [reason[:2000], request_id])
+            cur.execute("DELETE FROM expected_blocks WHERE request_id = ?", [request_id])
+            cur.execute("INSERT INTO abandoned_requests VALUES (?, ?, now()) ON CONFLICT (request_id) DO NOTHING",
+                        [request_id, reason[:2000]])
+            cur.execute("COMMIT")
+        return int(moved or 0)
 
     def record_request(self, record: RequestRecord) -> None:
         created = record.created_at or datetime.now(timezone.utc)
@@ -251,7 +286,7 @@ class ActivationStore:
     def counts(self) -> dict[str, int]:
         cur = self.cursor()
         return {table: int(_scalar(cur, f"SELECT count(*) FROM {table}"))  # fixed table names, no input
-                for table in ("activations", "requests", "write_batches", "missing_blocks")}
+                for table in ("activations", "requests", "write_batches", "missing_blocks", "expected_blocks")}
 
     def apply_retention(self, days: int, *, compact: bool = True, now: datetime | None = None) -> RetentionResult:
         """Delete rows (and requests) older than ``days``; with ``compact``, shrink the file."""

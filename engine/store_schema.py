@@ -98,6 +98,24 @@ MIGRATIONS: tuple[Migration, ...] = (
             PRIMARY KEY (sae_release, sae_layer, feature_id, source)
         )""",
     )),
+    Migration(3, "ledger of blocks handed to SAE workers and not yet stored", (
+        # a generator records each block it hands off; the append of that batch clears it, and a
+        # generator that dies leaves its blocks here, to be turned into missing_blocks rows
+        """CREATE TABLE expected_blocks (
+            batch_id VARCHAR PRIMARY KEY,
+            request_id VARCHAR NOT NULL,
+            first_step INTEGER,
+            last_step INTEGER,
+            token_count INTEGER,
+            expected_at TIMESTAMPTZ NOT NULL
+        )""",
+        # requests whose generator died: a block announced for them after the fact is missing at once
+        """CREATE TABLE abandoned_requests (
+            request_id VARCHAR PRIMARY KEY,
+            reason VARCHAR NOT NULL,
+            abandoned_at TIMESTAMPTZ NOT NULL
+        )""",
+    )),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -5,7 +5,9 @@ This package is also what legacy mods import as ``quote_mod_sdk`` (see
 """
 
 from .actions import ActionBuilder, for_event
+from .conversation import get_conversation, get_schemas, tool_call_pairs
 from .decorator import ModCallable, create_mod, mod
+from .self_prompt import self_prompt_mod
 from .serialization import serialize_mod
 from .tokenizer import tokenize
 from .types import (
@@ -50,4 +52,8 @@ __all__ = [
     "validate_action",
     "serialize_mod",
     "tokenize",
+    "self_prompt_mod",
+    "get_conversation",
+    "tool_call_pairs",
+    "get_schemas",
 ]

@@ -42,12 +42,22 @@ _SDK_SUBMODULES = {
     "actions": "mods.actions",
     "tokenizer": "mods.tokenizer",
     "serialization": "mods.serialization",
+    "conversation": "mods.conversation",
+    "self_prompt": "mods.self_prompt",
+    "flow": "mods.flow",
+    "strategies": "mods.strategies",
+    "strategies.base": "mods.strategies.base",
+    "strategies.primitives": "mods.strategies.primitives",
+    "strategies.list_strategy": "mods.strategies.list_strategy",
+    "strategies.strategy_constructor": "mods.strategies.strategy_constructor",
+    "strategies.compile": "mods.strategies.compile",
 }
 
 #: Non-SDK legacy modules.
 _OTHER_MODULES = {
     "shared.types": "mods.types",
     "shared.utils": "mods.validation",
+    "shared.conversation": "mods.conversation",
     "quote.mods.manager": "mods.manager",
     "quote.mods.sdk_bridge": "mods.loading",
 }

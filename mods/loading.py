@@ -11,9 +11,13 @@ function the file defines.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib
+import importlib.abc
 import importlib.util
 import inspect
+import os
 import sys
 import textwrap
 import types
@@ -29,6 +33,7 @@ __all__ = [
     "ModPayloadError",
     "load_mod_from_path",
     "load_mod_from_payload",
+    "bundle_payload",
     "resolve_mods",
 ]
 
@@ -80,6 +85,8 @@ def load_mod_from_path(spec: str | Path) -> Callable[..., Any]:
         code = compile(source, str(resolved), "exec")
     except SyntaxError as err:
         raise ModLoadError(f"mod file `{path}` has a syntax error at line {err.lineno}: {err.msg}") from None
+    if _has_relative_imports(source):  # a module of a package (e.g. examples/tau2/mod.py)
+        return _load_package_file(resolved, entry, shown=path)
     module = types.ModuleType(module_name)
     module.__file__ = str(resolved)
     module.__spec__ = importlib.util.spec_from_file_location(module_name, resolved)
@@ -90,6 +97,19 @@ def load_mod_from_path(spec: str | Path) -> Callable[..., Any]:
         sys.modules.pop(module_name, None)
         raise ModLoadError(f"mod file `{path}` failed while loading: {type(err).__name__}: {err}") from err
     return _pick_entry(module, entry, where=f"`{path}`")
+
+
+def _has_relative_imports(source: str) -> bool:
+    return any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(ast.parse(source)))
+
+
+def _load_package_file(file: Path, entry: str | None, *, shown: Path) -> Callable[..., Any]:
+    payload = bundle_payload(file, entry or "_")
+    try:
+        module = _import_bundle(payload["source"], payload["module"])
+    except ModPayloadError as err:
+        raise ModLoadError(f"mod file `{shown}`: {err}") from err.__cause__
+    return _pick_entry(module, entry, where=f"`{shown}`")
 
 
 def _pick_entry(module: types.ModuleType, entry: str | None, *, where: str) -> Callable[..., Any]:
@@ -159,8 +179,124 @@ def _load_inline(payload: Mapping[str, Any], entrypoint: str) -> Callable[..., A
     return candidate
 
 
+def _bundle_module_name(path: str) -> str:
+    """``a/b.py`` → ``a.b``; ``a/b/__init__.py`` → ``a.b`` (leading ``.``/``/`` stripped)."""
+    clean = path.replace("\\", "/").lstrip("./")
+    if clean.endswith("/__init__.py"):
+        clean = clean[: -len("/__init__.py")]
+    elif clean.endswith(".py"):
+        clean = clean[:-3]
+    return clean.replace("/", ".")
+
+
+class _BundleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves a bundle's in-memory modules (and the packages their names imply) during import."""
+
+    def __init__(self, sources: Mapping[str, str]) -> None:
+        self.code: dict[str, tuple[str, str, bool]] = {}  # module → (source, origin, is_package)
+        for path, text in sources.items():
+            name = _bundle_module_name(path)
+            self.code[name] = (text, f"<bundle {path}>", path.replace("\\", "/").endswith("/__init__.py"))
+        self.packages = {prefix for name in self.code for prefix in self._prefixes(name)}
+
+    @staticmethod
+    def _prefixes(name: str) -> list[str]:
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+    def top_levels(self) -> set[str]:
+        return {name.split(".")[0] for name in self.code}
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname in self.code or fullname in self.packages:
+            is_package = fullname in self.packages or self.code.get(fullname, ("", "", False))[2]
+            return importlib.util.spec_from_loader(fullname, self, is_package=is_package)
+        return None
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        name = module.__name__
+        if name in self.packages:
+            module.__path__ = []  # type: ignore[attr-defined]
+        module.__package__ = name if name in self.packages else name.rpartition(".")[0]
+        if name in self.code:
+            text, origin, _ = self.code[name]
+            exec(compile(textwrap.dedent(text), origin, "exec"), module.__dict__)
+
+
+def _import_bundle(sources: Mapping[str, str], module_name: str) -> types.ModuleType:
+    """Import ``module_name`` from in-memory ``sources``; the finder is on ``sys.meta_path`` only
+    during the import, and every earlier module of the bundle's top-level names is dropped first."""
+    finder = _BundleFinder(sources)
+    if module_name not in finder.code:
+        raise ModPayloadError(f"bundle has no module `{module_name}` (it has {', '.join(sorted(finder.code))})")
+    for name in list(sys.modules):
+        if name.split(".")[0] in finder.top_levels():
+            del sys.modules[name]
+    sys.meta_path.insert(0, finder)
+    try:
+        return importlib.import_module(module_name)
+    except Exception as err:
+        raise ModPayloadError(f"bundle module `{module_name}` failed while loading: {type(err).__name__}: {err}") from err
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def _load_bundle(payload: Mapping[str, Any], entrypoint: str) -> Callable[..., Any]:
+    sources = payload["source"]
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in sources.items()):
+        raise ModPayloadError("a bundle's `source` must map relative paths (strings) to code (strings)")
+    module_name = payload.get("module")
+    if not isinstance(module_name, str) or not module_name:
+        raise ModPayloadError("a bundle payload needs `module`: the dotted name of the entry module")
+    module = _import_bundle(sources, module_name)
+    candidate = getattr(module, entrypoint, None)
+    if not callable(candidate):
+        raise ModPayloadError(f"bundle module `{module_name}` has no callable named `{entrypoint}`")
+    return candidate
+
+
+def _load_from_directory(payload: Mapping[str, Any], entrypoint: str) -> Callable[..., Any]:
+    module_name = payload.get("module")
+    if not isinstance(module_name, str) or not module_name:
+        raise ModPayloadError("a directory payload needs `module`: the dotted name of the entry module")
+    relative = Path(*module_name.split(".")).with_suffix(".py")
+    if payload.get("dir") is not None:
+        start = Path(str(payload["dir"]))
+        if not start.is_dir():
+            raise ModPayloadError(f"mod payload `dir` {start} is not a directory")
+    else:
+        files = payload.get("files")
+        if not isinstance(files, list) or not files:
+            raise ModPayloadError("a directory payload needs `dir` or a non-empty `files` list")
+        start = Path(os.path.commonpath([str(Path(str(f)).resolve().parent) for f in files]))
+    start = start.resolve()
+    root = next((d for d in (start, *start.parents) if (d / relative).is_file()), None)
+    for entry in ([str(root)] if root is not None else [str(start), os.getcwd()]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    top = module_name.split(".")[0]  # a fresh import of the module's whole package family
+    for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+        del sys.modules[name]
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:
+        raise ModPayloadError(f"mod module `{module_name}` failed while loading: {type(err).__name__}: {err}") from err
+    candidate = getattr(module, entrypoint, None)
+    if not callable(candidate):
+        raise ModPayloadError(f"mod module `{module_name}` has no callable named `{entrypoint}`")
+    return candidate
+
+
 def load_mod_from_payload(payload: Mapping[str, Any]) -> Callable[..., Any]:
-    """Load a mod from a payload dict: ``{"language": "python", "entrypoint", "source", ...}``."""
+    """Load a mod from a payload dict (compat §3.3), in this order of forms:
+
+    * bundle — ``source`` maps relative paths to code, ``module`` names the entry module;
+    * directory — ``dir`` (or ``files``) plus ``module``;
+    * inline — ``source`` is the code of one module (``module`` defaults to ``client_mod``).
+    """
     if not isinstance(payload, Mapping):
         raise ModPayloadError(f"mod payload must be a JSON object, got {type(payload).__name__}")
     if payload.get("language") != "python":
@@ -168,11 +304,29 @@ def load_mod_from_payload(payload: Mapping[str, Any]) -> Callable[..., Any]:
     entrypoint = _require_str(payload, "entrypoint")
     install_legacy_names()
     source = payload.get("source")
-    if isinstance(source, str) and source.strip():
+    if isinstance(source, Mapping) and source:
+        candidate = _load_bundle(payload, entrypoint)
+    elif payload.get("dir") is not None or payload.get("files"):
+        candidate = _load_from_directory(payload, entrypoint)
+    elif isinstance(source, str) and source.strip():
         candidate = _load_inline(payload, entrypoint)
     else:
-        raise ModPayloadError("mod payload needs `source`: a non-empty string of Python code")
+        raise ModPayloadError("mod payload needs `source` (code, or a {path: code} bundle) or `dir`/`files`")
     return _bridge(candidate, entrypoint)
+
+
+def bundle_payload(path: str | Path, entrypoint: str) -> dict[str, Any]:
+    """The bundle payload of a mod file that lives in a package (relative imports): every ``.py``
+    file of its directory, keyed relative to the parent of the nearest ancestor directory named
+    ``examples`` (else the directory's parent), as the original uploader built them."""
+    file = Path(path).resolve()
+    directory = file.parent
+    examples = next((d for d in (directory, *directory.parents) if d.name == "examples"), None)
+    base = examples.parent if examples is not None else directory.parent
+    sources = {str(p.relative_to(base)).replace(os.sep, "/"): p.read_text(encoding="utf-8")
+               for p in sorted(directory.rglob("*.py")) if "__pycache__" not in p.parts}
+    return {"language": "python", "entrypoint": entrypoint, "source": sources,
+            "module": _bundle_module_name(str(file.relative_to(base)).replace(os.sep, "/")), "name": entrypoint}
 
 
 # ------------------------------------------------------------------------------------ any of them

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from .capture import CapturedLog, capture_mod_output
+from .conversation import pop_request_context, push_request_context
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
@@ -88,7 +89,9 @@ class ModManager:
         rejected: ModAction | None = None
         started_at = time.time()
         t0 = time.perf_counter()
+        request_id = getattr(event, "request_id", None)
         with capture_mod_output() as buffer:
+            context = push_request_context(request_id if isinstance(request_id, str) else None)
             try:
                 result = mod(event, self._tokenizer)
                 try:
@@ -100,6 +103,8 @@ class ModManager:
                 exception = ModException(type(err).__name__, str(err), traceback.format_exc())
                 print(f"[mods] Mod raised exception on {event_type}: {err}")
                 action = Noop()
+            finally:
+                pop_request_context(context)
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
         logs = buffer.logs()
         if exception is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["BenchRow", "run_bench", "run_cli", "main"]
+__all__ = ["BenchRow", "run_bench", "run_sae_bench", "run_ray_bench", "run_cli", "main"]
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -107,6 +107,175 @@ def run_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3,
     }
 
 
+def _synthetic_rows(tokens: int, identity: Any) -> Any:
+    """Realistic activation rows through the production row builder."""
+    import numpy as np
+
+    from engine.activations import HiddenBlock, rows_from_topk
+
+    rng = np.random.default_rng(0)
+    block = HiddenBlock("bench", 0, steps=list(range(tokens)), positions=list(range(tokens)),
+                        token_ids=rng.integers(0, 1000, tokens).tolist())
+    values = rng.random((tokens, identity.top_k), dtype=np.float32) + 0.1
+    indices = rng.integers(0, identity.d_sae, (tokens, identity.top_k))
+    return rows_from_topk(block, values, indices, identity, source_mode="nearline", model_id="bench")
+
+
+def run_sae_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3, sae_id: str | None = None,
+                  progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """SAE encode tokens/s, store append rows/s, and generation with nearline SAE vs SAE off."""
+    import dataclasses
+    import tempfile
+
+    import torch
+
+    from engine import Engine
+    from engine.store import ActivationStore
+
+    backend = engine.backend
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = engine.config
+        sae_cfg = dataclasses.replace(cfg.sae, enabled=True, mode="nearline", **({"sae_id": sae_id} if sae_id else {}))
+        sae_engine = Engine(dataclasses.replace(
+            cfg, activations=dataclasses.replace(cfg.activations, enabled=True, db_path=f"{tmp}/bench.duckdb"),
+            sae=sae_cfg), backend=backend)
+        try:
+            encoder = sae_engine.recorder.encoder
+            block = torch.randn(4096, backend.info.hidden_size, device=backend.device)
+            encoder.encode_topk(block)  # warm-up
+            encode_rates = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                encoder.encode_topk(block)
+                encode_rates.append(block.shape[0] / (time.perf_counter() - started))
+            progress(f"SAE encode: {statistics.median(encode_rates):,.0f} tokens/s")
+
+            rows = _synthetic_rows(10_000, encoder.identity)  # 10k tokens × top-k features
+            append_rates = []
+            with ActivationStore(f"{tmp}/append.duckdb", threads=cfg.activations.threads) as store:
+                for i in range(repeats):
+                    started = time.perf_counter()
+                    store.append_activations(rows, batch_id=f"bench/{i}", request_id="bench")
+                    append_rates.append(rows.num_rows / (time.perf_counter() - started))
+            progress(f"store append: {statistics.median(append_rates):,.0f} rows/s")
+
+            ids = engine.encode(PROMPT)
+            paths = {"engine default, SAE off": engine, "engine default + SAE nearline": sae_engine}
+            runs: dict[str, list[float]] = {name: [] for name in paths}
+            for name, eng in paths.items():
+                eng.generate(input_ids=ids, max_tokens=8, temperature=0.0, ignore_eos=True)  # warm-up
+            for r in range(repeats):
+                for name, eng in paths.items():
+                    started = time.perf_counter()
+                    result = eng.generate(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+                    runs[name].append(len(result.output_ids) / (time.perf_counter() - started))
+                    progress(f"repeat {r + 1}/{repeats}  {name:<40} {runs[name][-1]:8.1f} tok/s")
+            sae_engine.flush()
+            stored = sae_engine.store.counts()["activations"]
+        finally:
+            sae_engine.close()
+    off = statistics.median(runs["engine default, SAE off"])
+    on = statistics.median(runs["engine default + SAE nearline"])
+    return {
+        "sae": {"release": encoder.identity.release, "d_sae": encoder.identity.d_sae, "top_k": encoder.identity.top_k},
+        "encode_tokens_per_s": statistics.median(encode_rates),
+        "store_append_rows_per_s": statistics.median(append_rates),
+        "generation": {"sae_off_tokens_per_s": off, "sae_nearline_tokens_per_s": on, "ratio": on / off,
+                       "rows_stored": stored, "runs": runs},
+    }
+
+
+RAY_PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
+               "Describe a walk through an autumn forest.", "What makes a good cup of tea?",
+               "Tell me about the history of maps.", "Describe the sea at night."]
+
+
+def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str], None] = lambda _: None,
+                  sample_every_s: float = 0.5) -> dict[str, Any]:
+    """The same prompts through the in-process engine (SAE nearline) and end to end through Ray
+    (generator + 2 SAE workers + store + ingest); tokens/s of each and the SAE backlog over time."""
+    import dataclasses
+    import tempfile
+    import threading
+    import uuid
+    from pathlib import Path
+
+    import ray
+
+    from engine import Engine
+
+    from .generate import PromptLine, run
+    from .topology import actor_names, build_topology
+
+    requests = [{"prompt": p, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True} for p in RAY_PROMPTS]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = engine.config
+        cfg = dataclasses.replace(
+            cfg, activations=dataclasses.replace(cfg.activations, enabled=True, db_path=f"{tmp}/local.duckdb"),
+            sae=dataclasses.replace(cfg.sae, enabled=True, mode="nearline"),
+            ingest=dataclasses.replace(cfg.ingest, url=None))
+        local = Engine(cfg, backend=engine.backend)
+        try:
+            local.generate(RAY_PROMPTS[0], max_tokens=4)  # warm-up
+            started = time.perf_counter()
+            tokens = sum(len(local.generate(**r).output_ids) for r in requests)
+            local.flush()
+            local_rate = tokens / (time.perf_counter() - started)
+        finally:
+            local.close()
+        progress(f"in-process engine + SAE nearline: {local_rate:.1f} tok/s")
+
+        ray_cfg = dataclasses.replace(
+            cfg, activations=dataclasses.replace(cfg.activations, db_path=f"{tmp}/ray.duckdb"),
+            ray=dataclasses.replace(cfg.ray, namespace=f"raylens-bench-{uuid.uuid4().hex[:6]}", sae_workers=2))
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=ray_cfg.ray.namespace)
+        try:
+            topo = build_topology(ray_cfg)
+            run(ray_cfg, [PromptLine(0, {"prompt": RAY_PROMPTS[0], "max_tokens": 4, "request_id": "warm"})],
+                Path(tmp) / "warm.jsonl", progress=lambda _: None)  # actors loaded, model warm
+            backlog: list[tuple[float, int]] = []
+            stop = threading.Event()
+
+            def sample() -> None:
+                t0 = time.perf_counter()
+                while not stop.wait(sample_every_s):
+                    stats = ray.get(topo.generator.stats.remote(), timeout=60)
+                    backlog.append((round(time.perf_counter() - t0, 2), stats.get("sae", {}).get("backlog", 0)))
+
+            sampler = threading.Thread(target=sample, daemon=True)
+            sampler.start()
+            lines = [PromptLine(i + 1, {**r, "request_id": f"bench-{i}"}) for i, r in enumerate(requests)]
+            summary = run(ray_cfg, lines, Path(tmp) / "ray.jsonl", progress=progress)
+            stop.set()
+            sampler.join(timeout=60)
+        finally:
+            for name in actor_names(ray_cfg):
+                try:
+                    ray.kill(ray.get_actor(name, namespace=ray_cfg.ray.namespace), no_restart=True)
+                except ValueError:
+                    pass
+            ray.shutdown()
+    return {"prompts": len(requests), "new_tokens": new_tokens, "in_process_tokens_per_s": local_rate,
+            "ray_tokens_per_s": summary["tokens_per_s"], "ratio": summary["tokens_per_s"] / local_rate,
+            "sae_rows": summary["sae_rows"], "sae_backlog": backlog,
+            "max_backlog": max((b for _, b in backlog), default=0)}
+
+
+def format_ray(report: dict[str, Any]) -> str:
+    trace = ", ".join(f"{t:.1f}s:{b}" for t, b in report["sae_backlog"][:: max(1, len(report["sae_backlog"]) // 12)])
+    return "\n".join([
+        f"{report['prompts']} prompts × {report['new_tokens']} new tokens, SAE nearline in both paths",
+        "",
+        "| path | tokens/s |",
+        "|---|---|",
+        f"| in-process engine | {report['in_process_tokens_per_s']:.1f} |",
+        f"| Ray: generator + 2 SAE workers + store + ingest | {report['ray_tokens_per_s']:.1f} |",
+        f"| Ray / in-process | {report['ratio']:.3f} |",
+        "",
+        f"SAE backlog (blocks in flight) over time: {trace or 'n/a'}; peak {report['max_backlog']}",
+    ])
+
+
 def _machine(backend: Any) -> dict[str, Any]:
     import os
 
@@ -140,14 +309,40 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_sae(report: dict[str, Any]) -> str:
+    gen = report["generation"]
+    return "\n".join([
+        f"SAE {report['sae']['release']} ({report['sae']['d_sae']} features, top-{report['sae']['top_k']} stored)",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        f"| SAE encode, 4096-token blocks | {report['encode_tokens_per_s']:,.0f} tokens/s |",
+        f"| store append, Arrow batches of 10k tokens × top-k | {report['store_append_rows_per_s']:,.0f} rows/s |",
+        f"| generation, SAE off | {gen['sae_off_tokens_per_s']:.1f} tokens/s |",
+        f"| generation, SAE nearline | {gen['sae_nearline_tokens_per_s']:.1f} tokens/s |",
+        f"| nearline / off | {gen['ratio']:.3f} |",
+    ])
+
+
 def run_cli(args: argparse.Namespace) -> int:
     from engine import Engine
 
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     print("raylens bench: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config) as engine:
-        report = run_bench(engine, new_tokens=args.new_tokens, repeats=args.repeats,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+        report = run_bench(engine, new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
+        if args.sae:
+            report["sae"] = run_sae_bench(engine, new_tokens=args.new_tokens, repeats=args.repeats,
+                                          progress=progress)
+        if args.ray:
+            report["ray"] = run_ray_bench(engine, new_tokens=min(args.new_tokens, 64), progress=progress)
     print(format_table(report))
+    if args.sae:
+        print()
+        print(format_sae(report["sae"]))
+    if args.ray:
+        print()
+        print(format_ray(report["ray"]))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")

@@ -34,12 +34,12 @@ def _read_json(path: str, what: str) -> Any:
         raise UsageError(f"{what} `{path}` is not valid JSON: line {err.lineno}: {err.msg}") from None
 
 
-def _messages_from_file(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """A chat file is a JSON list of messages, or ``{"messages": [...], "tools": [...]}``."""
+def _messages_from_file(path: str) -> tuple[Any, Any, Any]:
+    """A chat file is a JSON list of messages, or ``{"messages", "tools", "response_format"}``."""
     data = _read_json(path, "messages file")
     if isinstance(data, dict):
-        return data.get("messages"), data.get("tools")
-    return data, None
+        return data.get("messages"), data.get("tools"), data.get("response_format")
+    return data, None, None
 
 
 # ------------------------------------------------------------------------------------ generate
@@ -49,12 +49,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate one completion in-process (no Ray)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="user message (chat-templated)")
-    src.add_argument("--messages-file", help="JSON chat: a list of messages or {messages, tools}")
+    src.add_argument("--messages-file", help="JSON chat: a list of messages, or {messages, tools, response_format}")
     src.add_argument("--input-ids", help="comma-separated token ids, used as is")
     p.add_argument("--mod", action="append", default=[], metavar="FILE.py[:function]",
                    help="mod file to run (repeatable, in order)")
     p.add_argument("--mod-payload", action="append", default=[], metavar="FILE.json",
-                   help="mod payload JSON (inline source form), repeatable")
+                   help="mod payload JSON (inline source, directory or bundle form), repeatable")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
@@ -72,9 +72,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import Engine
     from engine.engine import load_mods
 
-    messages = tools = input_ids = None
+    messages = tools = response_format = input_ids = None
     if args.messages_file:
-        messages, tools = _messages_from_file(args.messages_file)
+        messages, tools, response_format = _messages_from_file(args.messages_file)
     if args.input_ids:
         try:
             input_ids = [int(t) for t in args.input_ids.replace(" ", "").split(",") if t]
@@ -86,7 +86,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config, overrides=overrides) as engine:
         result = engine.generate(
-            args.prompt, messages=messages, input_ids=input_ids, tools=tools, mods=mods,
+            args.prompt, messages=messages, input_ids=input_ids, tools=tools, response_format=response_format, mods=mods,
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos, request_id=args.request_id,
         )
@@ -120,6 +120,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--sae", action="store_true", help="also: SAE encode, store append, generation with nearline SAE")
+    p.add_argument("--ray", action="store_true", help="also: the Ray path end to end vs the in-process engine")
     p.set_defaults(func=lambda args: _bench_main(args))
 
 
@@ -138,9 +140,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_generate, _add_bench):
         add(sub)
-    from .store_commands import add_commands
+    from . import ray_commands, store_commands
 
-    add_commands(sub)
+    store_commands.add_commands(sub)
+    ray_commands.add_commands(sub)
     return parser
 
 

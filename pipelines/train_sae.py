@@ -51,6 +51,8 @@ class TrainConfig:
     holdout: float = 0.05
     seed: int = 0
     corpus: str = "python-docs"
+    dead_window: int = 0  # steps without firing before AuxK loss revives a feature; 0: a tenth of the steps
+    aux_coefficient: float = 1.0
     save_dtype: str = "float16"  # keeps the committed SAE under 15 MB
 
 
@@ -147,7 +149,7 @@ def train(acts: Any, cfg: TrainConfig, *, model_name: str) -> Any:
     torch.manual_seed(cfg.seed)  # sae-lens initialises weights from the global RNG; this is a script
     sae_cfg = TopKTrainingSAEConfig(
         d_in=acts.shape[1], d_sae=cfg.width, k=cfg.k, dtype="float32", device="cpu",
-        normalize_activations="expected_average_only_in",
+        normalize_activations="expected_average_only_in", aux_loss_coefficient=cfg.aux_coefficient,
         metadata=SAEMetadata(model_name=model_name, hook_name=f"blocks.{cfg.layer}.hook_resid_post",
                              context_size=cfg.seq_len, prepend_bos=False, seqpos_slice=(1, None)),
     )
@@ -156,7 +158,7 @@ def train(acts: Any, cfg: TrainConfig, *, model_name: str) -> Any:
     trainer_cfg = SAETrainerConfig(
         total_training_samples=total, train_batch_size_samples=cfg.train_batch, lr=cfg.lr, lr_end=cfg.lr / 10,
         lr_warm_up_steps=max(1, steps // 20), lr_decay_steps=steps // 5, device="cpu",
-        dead_feature_window=max(10, steps // 10), feature_sampling_window=max(10, steps // 5),
+        dead_feature_window=cfg.dead_window or max(10, steps // 10), feature_sampling_window=max(10, steps // 5),
         n_batches_for_norm_estimate=min(50, max(1, acts.shape[0] // cfg.train_batch)),
     )
     sae = TopKTrainingSAE(sae_cfg)
@@ -223,16 +225,18 @@ def feature_examples(sae: Any, acts: Any, token_ids: list[int], tokenizer: Any, 
 def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="raylens train-sae", description=__doc__.splitlines()[0])
-    for name in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed", "train_batch"):
+    for name in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed", "train_batch", "dead_window"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--aux-coefficient", type=float, default=defaults.aux_coefficient)
     p.add_argument("--corpus", choices=["python-docs", "cpython"], default=defaults.corpus)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--activations-cache", type=Path, help="save/reuse collected activations (.pt)")
     p.add_argument("--config", help="raylens config naming the model (default configs/local.yaml)")
     args = p.parse_args(argv)
-    cfg = TrainConfig(**{k: getattr(args, k) for k in ("tokens", "epochs", "layer", "width", "k", "seq_len",
-                                                         "seed", "train_batch", "lr", "corpus")})
+    cfg = TrainConfig(**{k: getattr(args, k) for k in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed",
+                                                         "train_batch", "lr", "corpus", "dead_window",
+                                                         "aux_coefficient")})
     return cfg, args
 
 

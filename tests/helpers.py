@@ -41,19 +41,27 @@ def build_generation_cfg(**overrides: Any):
 
 
 class CharTokenizer:
-    """One token per printable ASCII character: id = ord(c) - 22 (10..104); specials below 10."""
+    """One token per character: printable ASCII at id = ord(c) - 22 (10..104), newline 105;
+    specials below 10 (BOS 1, EOS 2)."""
 
     bos_token_id = 1
     eos_token_id = 2
     vocab_size = 128
+    _NEWLINE = 105
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = [ord(c) - 22 for c in text]
+        ids = [self._NEWLINE if c == "\n" else ord(c) - 22 for c in text]
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
+    def _char(self, token: int, skip: bool) -> str:
+        if token == self._NEWLINE:
+            return "\n"
+        if token >= 10:
+            return chr(token + 22)
+        return "" if skip else f"<{token}>"
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **_: Any) -> str:
-        return "".join(chr(int(i) + 22) if int(i) >= 10 else ("" if skip_special_tokens else f"<{int(i)}>")
-                       for i in ids)
+        return "".join(self._char(int(i), skip_special_tokens) for i in ids)
 
     def batch_decode(self, batch: Sequence[Sequence[int]], **kwargs: Any) -> list[str]:
         return [self.decode(ids, **kwargs) for ids in batch]
@@ -158,13 +166,41 @@ class ScriptedBackend:
         self.sequences.clear()
 
 
-def scripted_engine(script: str = "hello world", **generation: Any):
-    """An Engine over :class:`ScriptedBackend`, greedy by default."""
+class ScriptedAnswerBackend(ScriptedBackend):
+    """A 'model' that answers whatever it is asked with the next characters of ``answers``.
+
+    Only the tokens it writes itself (not forced ones) advance it, and erasing never rewinds it:
+    a self-prompted question gets the next scripted answer, as in compat §10's runs. When the
+    answers are used up it predicts EOS.
+    """
+
+    def __init__(self, answers: str) -> None:
+        super().__init__("")
+        self.answers = self.tok.encode(answers)
+        self.written = 0
+
+    def _logits(self, seq: dict[str, Any]):
+        import torch
+
+        logits = torch.zeros(self.info.vocab_size)
+        logits[self.answers[self.written] if self.written < len(self.answers) else self.tok.eos_token_id] = 10.0
+        return logits
+
+    def add_token(self, request_id: str, step: int, tokens: Sequence[int], forced: bool):
+        if not forced:
+            self.written += len(tokens)
+        return super().add_token(request_id, step, tokens, forced)
+
+
+def scripted_engine(script: str = "hello world", *, answers: str | None = None, **generation: Any):
+    """An Engine over :class:`ScriptedBackend` (or :class:`ScriptedAnswerBackend` with
+    ``answers``), greedy by default."""
     from engine import Engine
     from engine.config import RaylensConfig
 
     gen = build_generation_cfg(**{"temperature": 0.0, "max_tokens": 32, **generation})
-    return Engine(RaylensConfig(generation=gen), backend=ScriptedBackend(script))
+    backend = ScriptedAnswerBackend(answers) if answers is not None else ScriptedBackend(script)
+    return Engine(RaylensConfig(generation=gen), backend=backend)
 
 
 def text_of(tokenizer: Any, ids: Sequence[int]) -> str:

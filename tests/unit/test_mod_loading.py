@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from mods.legacy_names import install_legacy_names
 from mods.loading import ModLoadError, ModPayloadError, load_mod_from_path, load_mod_from_payload, resolve_mods
 from mods.serialization import serialize_mod
-from mods.types import Added, ForceTokens, Noop, Sampled
+from mods.types import Added, ForceTokens, ForwardPass, Noop, Sampled
 
 LEGACY_MOD = textwrap.dedent('''
     from quote_mod_sdk import mod, Sampled
@@ -154,3 +156,52 @@ def test_resolve_mods_accepts_callables_paths_and_payloads(tmp_path):
         resolve_mods([lambda: None])
     with pytest.raises(ModLoadError, match="must be a callable, a .py path or a payload dict"):
         resolve_mods([42])
+
+
+# ------------------------------------------------------------------- package, bundle, directory
+
+GREETER = Path(__file__).resolve().parent.parent / "sdk_mods" / "examples" / "greeter" / "mod.py"
+
+
+def test_a_package_style_mod_file_loads_with_its_relative_and_absolute_imports():
+    greeter = load_mod_from_path(GREETER)
+    assert greeter.__name__ == "greeter"
+    event = ForwardPass("pkg", 0, None)
+    action = greeter(event, _tok())
+    assert isinstance(action, ForceTokens) and action.tokens == _tok().encode(" Greetings from a package!")
+
+
+def test_the_bundle_payload_form_round_trips():
+    from mods.loading import bundle_payload
+
+    payload = bundle_payload(GREETER, "greeter")
+    assert payload["module"] == "examples.greeter.mod"
+    assert set(payload["source"]) == {"examples/greeter/mod.py", "examples/greeter/phrases.py"}
+    loaded = load_mod_from_payload(json.loads(json.dumps(payload)))  # survives JSON, as over HTTP
+    assert isinstance(loaded(ForwardPass("bundle", 0, None), _tok()), ForceTokens)
+
+
+def test_the_directory_payload_form_finds_the_module_above_dir():
+    payload = {"language": "python", "entrypoint": "greeter", "module": "examples.greeter.mod",
+               "dir": str(GREETER.parent)}
+    loaded = load_mod_from_payload(payload)
+    assert isinstance(loaded(ForwardPass("dir", 0, None), _tok()), ForceTokens)
+
+
+@pytest.mark.parametrize("payload,message", [
+    ({"language": "python", "entrypoint": "m", "source": {"a.py": 3}}, "must map relative paths"),
+    ({"language": "python", "entrypoint": "m", "source": {"a.py": "x = 1"}}, "needs `module`"),
+    ({"language": "python", "entrypoint": "m", "source": {"a.py": "x = 1"}, "module": "b"}, "has no module `b`"),
+    ({"language": "python", "entrypoint": "m", "source": {"a.py": "import nope_nope"}, "module": "a"},
+     "failed while loading"),
+    ({"language": "python", "entrypoint": "m", "dir": "/no/such/dir", "module": "a"}, "is not a directory"),
+])
+def test_malformed_bundle_and_directory_payloads_are_clear(payload, message):
+    with pytest.raises(ModPayloadError, match=message):
+        load_mod_from_payload(payload)
+
+
+def _tok():
+    from tests.helpers import CharTokenizer
+
+    return CharTokenizer()

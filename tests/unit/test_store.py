@@ -57,7 +57,8 @@ def test_migrations_are_recorded_and_the_schema_is_current(store):
     assert store.schema_version() == LATEST_VERSION
     recorded = store.cursor().execute("SELECT version, description FROM schema_migrations ORDER BY version").fetchall()
     assert [v for v, _ in recorded] == [m.version for m in MIGRATIONS]
-    assert store.counts() == {"activations": 0, "requests": 0, "write_batches": 0, "missing_blocks": 0}
+    assert store.counts() == {"activations": 0, "requests": 0, "write_batches": 0, "missing_blocks": 0,
+                              "expected_blocks": 0}
 
 
 def test_an_older_store_upgrades_in_place_keeping_its_rows(tmp_path):
@@ -95,6 +96,22 @@ def test_requests_and_missing_blocks_are_recorded(store):
     store.record_missing_block(batch_id="r1/3", request_id="r1", first_step=3, last_step=5, token_count=3,
                                reason="RuntimeError: encoder died")
     assert store.counts()["missing_blocks"] == 1
+
+
+def test_expected_blocks_clear_on_arrival_and_become_missing_when_abandoned(store):
+    for i in range(3):
+        store.expect_block(batch_id=f"g/{i}", request_id="g", first_step=i * 4, last_step=i * 4 + 3, token_count=4)
+    store.append_activations(rows("g", 4), batch_id="g/0", request_id="g")
+    assert store.counts()["expected_blocks"] == 2
+    assert store.abandon_request("g", "generator died") == 2
+    missing = store.cursor().execute("SELECT batch_id, reason FROM missing_blocks ORDER BY batch_id").fetchall()
+    assert missing == [("g/1", "generator died"), ("g/2", "generator died")]
+    store.append_activations(rows("g", 4, start_step=8), batch_id="g/2", request_id="g")  # a late arrival
+    assert [b for b, in store.cursor().execute("SELECT batch_id FROM missing_blocks").fetchall()] == ["g/1"]
+    store.expect_block(batch_id="g/0", request_id="g", first_step=0, last_step=3, token_count=4)  # crossed calls
+    assert store.counts()["expected_blocks"] == 0
+    store.expect_block(batch_id="g/9", request_id="g", first_step=36, last_step=39, token_count=4)  # announced late
+    assert store.counts()["expected_blocks"] == 0 and store.counts()["missing_blocks"] == 2
 
 
 def test_retention_deletes_old_rows_and_shrinks_the_file(store):

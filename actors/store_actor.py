@@ -1,0 +1,73 @@
+"""StoreActor: the only writer of the activation store, and the place queries go while it runs.
+
+``max_restarts`` re-runs ``__init__``, which reopens the DuckDB file (its WAL replays): a
+restarted StoreActor has every committed batch. ``append`` is idempotent by batch id, so callers
+may retry it after an ``ActorUnavailableError`` ("may have run").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import ray
+
+from engine import queries
+from engine.config import ActivationsConfig
+from engine.store import ActivationStore, RequestRecord
+
+from .versioning import code_version
+
+__all__ = ["StoreActor"]
+
+_QUERIES = {
+    "feature_deltas": queries.feature_deltas,
+    "threshold_search": queries.threshold_search,
+    "top_features": queries.top_features,
+    "top_activating_tokens": queries.top_activating_tokens,
+}
+
+
+@ray.remote
+class StoreActor:
+    def __init__(self, activations: dict[str, Any]) -> None:
+        self.store = ActivationStore.from_config(ActivationsConfig(**activations))
+
+    def version(self) -> str:
+        return code_version()
+
+    def append(self, rows: pa.Table, batch_id: str, request_id: str) -> int:
+        return self.store.append_activations(rows, batch_id=batch_id, request_id=request_id)
+
+    def expect_block(self, batch_id: str, request_id: str, first_step: int, last_step: int, token_count: int) -> None:
+        self.store.expect_block(batch_id=batch_id, request_id=request_id, first_step=first_step,
+                                last_step=last_step, token_count=token_count)
+
+    def record_missing(self, batch_id: str, request_id: str, first_step: int, last_step: int, token_count: int,
+                       reason: str) -> None:
+        self.store.record_missing_block(batch_id=batch_id, request_id=request_id, first_step=first_step,
+                                        last_step=last_step, token_count=token_count, reason=reason)
+
+    def abandon_request(self, request_id: str, reason: str) -> int:
+        return self.store.abandon_request(request_id, reason)
+
+    def record_request(self, record: RequestRecord) -> None:
+        self.store.record_request(record)
+
+    def counts(self) -> dict[str, int]:
+        return self.store.counts()
+
+    def query(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
+        return _QUERIES[name](self.store, *args, **kwargs)
+
+    def sql(self, statement: str, params: list[Any] | None = None) -> list[tuple]:
+        """Read-only inspection for status and tests (the caller writes the SQL)."""
+        return self.store.cursor().execute(statement, params or []).fetchall()
+
+    def export_parquet(self, directory: str | None = None) -> dict[str, Any]:
+        result = self.store.export_parquet(directory)
+        return {"directory": result.directory, "rows": result.rows, "files": result.files}
+
+    def apply_retention(self, days: int, compact: bool = True) -> dict[str, int]:
+        result = self.store.apply_retention(days, compact=compact)
+        return dict(vars(result))

@@ -1,0 +1,98 @@
+"""A real local Ray head on 127.0.0.1 per test module, stopped at the end.
+
+The head runs in its own temp dir with the dashboard (Jobs API) on loopback, a small CPU count,
+and every raylens actor in a namespace of its own, so modules never see each other's actors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import build_config
+
+os.environ.setdefault("RAY_allow_out_of_band_object_ref_serialization", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_cli() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+@dataclasses.dataclass
+class Head:
+    address: str
+    dashboard_url: str
+    temp_dir: Path
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    import ray
+
+    temp_dir = Path("/tmp") / f"rl-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths have a length limit
+    port, dash = free_port(), free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [_ray_cli(), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "8",
+           "--num-gpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard",
+           "true", "--temp-dir", str(temp_dir), "--disable-usage-stats"]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=180)
+    head = Head(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)
+    try:
+        ray.init(address=head.address, log_to_driver=False)
+        yield head
+    finally:
+        ray.shutdown()
+        subprocess.run([_ray_cli(), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def ray_config(tmp_path: Path, *, ingest_url: str | None = None, **ray_overrides):
+    """The local config with the committed SAE on, a private store and namespace."""
+    cfg = build_config()
+    return dataclasses.replace(
+        cfg,
+        activations=dataclasses.replace(cfg.activations, enabled=True, db_path=str(tmp_path / "store.duckdb")),
+        sae=dataclasses.replace(cfg.sae, enabled=True, block_steps=2),
+        ingest=dataclasses.replace(cfg.ingest, url=ingest_url, retries=1, timeout_s=2.0,
+                                   spool_dir=str(tmp_path / "spool")),
+        ray=dataclasses.replace(cfg.ray, namespace=f"raylens-test-{uuid.uuid4().hex[:8]}", sae_workers=2,
+                                sae_worker_num_cpus=1, max_inflight_blocks=4, ingest_flush_interval_s=0.5,
+                                call_timeout_s=120, **ray_overrides),
+    )
+
+
+def kill_namespace_actors(config) -> None:
+    """Detached actors outlive drivers: remove a test's actors explicitly."""
+    import ray
+
+    from pipelines.topology import actor_names
+
+    for name in actor_names(config):
+        try:
+            ray.kill(ray.get_actor(name, namespace=config.ray.namespace), no_restart=True)
+        except ValueError:
+            pass
+
+
+def wait_until(predicate, *, timeout: float = 120.0, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -1,0 +1,244 @@
+"""The Ray actor system on a real local head bound to 127.0.0.1: jobs, the SAE hand-off, and
+faults — each bounded in time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import threading
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import free_port, kill_namespace_actors, ray_config, wait_until
+from tests.helpers import TEST_MODS
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPTS = [
+    {"prompt": "What is the capital of France?", "max_tokens": 12, "temperature": 0, "request_id": "fr"},
+    {"prompt": "Name a primary colour.", "max_tokens": 12, "temperature": 0, "request_id": "colour",
+     "mods": [str(TEST_MODS / "forward_pass" / "force_tokens.py")]},
+    {"messages": [{"role": "user", "content": "Tell me about dragons"}], "max_tokens": 16, "temperature": 0,
+     "request_id": "dragons"},
+]
+
+
+def write_prompts(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def attempt(fn):
+    try:
+        return fn()
+    except Exception:
+        return None
+
+
+@pytest.fixture(scope="module")
+def ingest_server(tmp_path_factory):
+    from engine.ingest_server import IngestServer
+
+    server = IngestServer(tmp_path_factory.mktemp("ingest") / "ingest.duckdb", port=0).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def topology(ray_head, ingest_server, tmp_path_factory):
+    from pipelines.topology import build_topology
+
+    config = ray_config(tmp_path_factory.mktemp("ray"), ingest_url=ingest_server.url)
+    topo = build_topology(config)
+    yield topo
+    kill_namespace_actors(config)
+
+
+def run_lines(config, tmp_path, rows, name="results"):
+    from pipelines.generate import read_prompts, run
+
+    prompts = tmp_path / f"{name}.prompts.jsonl"
+    write_prompts(prompts, rows)
+    out = tmp_path / f"{name}.jsonl"
+    summary = run(config, read_prompts(prompts), out, progress=lambda line: None)
+    return summary, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def store_sql(topology, sql, params=None):
+    import ray
+
+    return ray.get(topology.store.sql.remote(sql, params or []), timeout=120)
+
+
+def sae_stats(topology):
+    import ray
+
+    return ray.get(topology.generator.stats.remote(), timeout=120)["sae"]
+
+
+def test_a_job_runs_through_generator_sae_workers_store_and_ingest(topology, ingest_server, tmp_path, engine):
+    summary, results = run_lines(topology.config, tmp_path, PROMPTS)
+    by_id = {r["request_id"]: r for r in results}
+    assert set(by_id) == {"fr", "colour", "dragons"} and summary["failed"] == 0
+    local = engine.generate("What is the capital of France?", max_tokens=12, temperature=0)
+    assert by_id["fr"]["output_text"] == local.output_text  # the actor runs the same engine
+    assert by_id["colour"]["output_text"].startswith(" [INJECTED]")  # a mod file, shipped as a payload
+    assert summary["sae_rows"] > 0 and summary["sae_blocks_missing"] == 0
+    per_request = dict(store_sql(topology, "SELECT request_id, count(*) FROM activations GROUP BY 1"))
+    assert set(per_request) == {"fr", "colour", "dragons"}
+    assert store_sql(topology, "SELECT count(*) FROM expected_blocks") == [(0,)]
+    assert store_sql(topology, "SELECT count(*) FROM requests") == [(3,)]
+    wait_until(lambda: {"fr", "colour", "dragons"} <= set(ingest_server._server.request_ids()),
+               timeout=60, what="the ingest server to hold every payload")
+    stats = sae_stats(topology)
+    assert stats["blocks_stored"] == stats["blocks_submitted"] > 0 and stats["backlog"] == 0
+
+
+def test_killing_an_sae_worker_mid_run_loses_and_duplicates_nothing(topology, tmp_path):
+    import ray
+
+    before = sae_stats(topology)
+    killed = threading.Event()
+
+    def kill_when_busy() -> None:
+        wait_until(lambda: sae_stats(topology)["blocks_submitted"] >= before["blocks_submitted"] + 3,
+                   timeout=300, interval=0.05, what="SAE blocks in flight")
+        ray.kill(topology.sae_workers[0], no_restart=False)  # Ray restarts it; its calls in flight fail
+        killed.set()
+
+    killer = threading.Thread(target=kill_when_busy, daemon=True)
+    killer.start()
+    rows = [{"prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 40, "temperature": 0,
+             "ignore_eos": True, "request_id": "lighthouse"}]
+    summary, _ = run_lines(topology.config, tmp_path, rows, "kill")
+    killer.join(timeout=300)
+    assert killed.is_set()
+    after = sae_stats(topology)
+    submitted = after["blocks_submitted"] - before["blocks_submitted"]
+    assert summary["sae_blocks_missing"] == 0 and after["blocks_missing"] == before["blocks_missing"]
+    batches = store_sql(topology, "SELECT count(*) FROM write_batches WHERE request_id = 'lighthouse'")
+    assert batches == [(submitted,)]  # every block stored exactly once (batch ids are keys)
+    total, distinct = store_sql(topology, "SELECT count(*), count(DISTINCT (step, token_position, rank)) "
+                                          "FROM activations WHERE request_id = 'lighthouse'")[0]
+    assert total == distinct > 0  # no row twice
+    steps = store_sql(topology, "SELECT count(DISTINCT step) FROM activations WHERE request_id = 'lighthouse'")
+    assert steps == [(40,)]  # the prefill (step 0) and steps 1..39: every token the model read
+
+
+def test_a_restarted_store_actor_reopens_the_database_intact(topology):
+    import ray
+
+    counts = ray.get(topology.store.counts.remote(), timeout=60)
+    assert counts["activations"] > 0
+    ray.kill(topology.store, no_restart=False)
+    again = wait_until(lambda: attempt(lambda: ray.get(topology.store.counts.remote(), timeout=30)),
+                       timeout=180, what="the StoreActor to come back")
+    assert again == counts
+
+
+def test_a_dead_generator_leaves_missing_blocks_on_record_and_the_request_reruns(topology, tmp_path):
+    import ray
+
+    before = sae_stats(topology)["blocks_submitted"]
+
+    def kill_generator() -> None:
+        wait_until(lambda: (attempt(lambda: sae_stats(topology)["blocks_submitted"]) or 0) >= before + 2,
+                   timeout=300, interval=0.05, what="the request to be under way")
+        ray.kill(topology.generator, no_restart=False)
+
+    killer = threading.Thread(target=kill_generator, daemon=True)
+    killer.start()
+    rows = [{"prompt": "Describe the sea at night.", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+             "request_id": "sea"}]
+    summary, results = run_lines(topology.config, tmp_path, rows, "death")
+    killer.join(timeout=300)
+    assert [r["request_id"] for r in results] == ["sea-retry1"] and results[0]["finish_reason"] == "length"
+    # every block of the dead attempt is accounted for: stored, or on record as missing — none pending
+    assert store_sql(topology, "SELECT count(*) FROM expected_blocks WHERE request_id = 'sea'") == [(0,)]
+    missing = store_sql(topology, "SELECT reason FROM missing_blocks WHERE request_id = 'sea'")
+    assert all(reason.startswith("generator died") for reason, in missing)
+    assert store_sql(topology, "SELECT count(*) FROM requests WHERE request_id = 'sea-retry1'") == [(1,)]
+
+
+def test_bad_job_input_names_the_line(tmp_path, capsys):
+    from pipelines.generate import main
+
+    assert main(["--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "prompts file" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": "broken"\n')
+    assert main(["--prompts", str(bad), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert f"{bad}:2: not valid JSON" in capsys.readouterr().err
+    bad.write_text('{"prompt": "fine"}\n\n{"prompt": "x", "mods": ["no/such/mod.py"]}\n')
+    assert main(["--prompts", str(bad), "--out", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:3:" in err and "no/such/mod.py" in err and "does not exist" in err
+    bad.write_text('{"prompt": "x", "temprature": 0}\n')
+    assert main(["--prompts", str(bad), "--out", str(tmp_path / "o.jsonl")]) == 2
+    assert "unknown field(s) temprature" in capsys.readouterr().err
+
+
+def _job_config_file(config, tmp_path):
+    path = tmp_path / "job-config.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    return path
+
+
+def test_a_cancelled_job_leaves_the_actors_usable(ray_head, topology, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(ray_head.dashboard_url)
+    prompts, out = tmp_path / "many.jsonl", tmp_path / "many-results.jsonl"
+    write_prompts(prompts, [{"prompt": f"Count to {i}.", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+                            for i in range(12)])
+    job = client.submit_job(entrypoint=f"{sys.executable} -m pipelines.generate --config "
+                                       f"{_job_config_file(topology.config, tmp_path)} --prompts {prompts} --out {out}")
+    wait_until(lambda: out.exists() and out.read_text().count("\n") >= 1, timeout=300, what="a first result")
+    client.stop_job(job)
+    wait_until(lambda: client.get_job_status(job) in (JobStatus.STOPPED, JobStatus.FAILED), timeout=120,
+               what="the job to stop")
+    summary, results = run_lines(topology.config, tmp_path, [PROMPTS[0] | {"request_id": "after-cancel"}], "after")
+    assert results[0]["output_text"] and summary["failed"] == 0
+
+
+def test_a_job_with_a_bad_line_fails_through_the_jobs_api_with_the_line_named(ray_head, topology, tmp_path):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(ray_head.dashboard_url)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"promt": "typo"}\n')
+    job = client.submit_job(entrypoint=f"{sys.executable} -m pipelines.generate --config "
+                                       f"{_job_config_file(topology.config, tmp_path)} --prompts {bad} "
+                                       f"--out {tmp_path / 'x.jsonl'}")
+    status = wait_until(lambda: (s := client.get_job_status(job)) in (JobStatus.SUCCEEDED, JobStatus.FAILED) and s,
+                        timeout=180, what="the job to end")
+    assert status == JobStatus.FAILED
+    assert f"{bad}:2: give exactly one of prompt, messages, input_ids" in client.get_job_logs(job)
+
+
+def test_payloads_are_spooled_while_ingest_is_down_then_delivered(ray_head, tmp_path):
+    import ray
+
+    from engine.ingest_server import IngestServer
+    from pipelines.topology import build_topology
+
+    port = free_port()
+    config = ray_config(tmp_path, ingest_url=f"http://127.0.0.1:{port}/v1/ingest")
+    config = dataclasses.replace(config, sae=dataclasses.replace(config.sae, enabled=False))
+    topo = build_topology(config)
+    server = None
+    try:
+        rows = [{"prompt": "Say hi.", "max_tokens": 4, "temperature": 0, "request_id": f"down-{i}"} for i in range(3)]
+        summary, _ = run_lines(config, tmp_path, rows, "down")
+        assert summary["ingest_spooled"] == 3 and summary["ingest_delivered"] == 0  # backend down: kept on disk
+        server = IngestServer(tmp_path / "late.duckdb", port=port).start()  # the backend comes back
+        wait_until(lambda: {"down-0", "down-1", "down-2"} <= set(server._server.request_ids()), timeout=120,
+                   what="spooled payloads to be replayed")
+        stats = wait_until(lambda: (s := ray.get(topo.ingest.stats.remote(), timeout=30))["spool_files"] == 0 and s,
+                           timeout=60, what="the spool to empty")
+        assert stats["replayed"] >= 3
+    finally:
+        kill_namespace_actors(config)
+        if server is not None:
+            server.stop()
