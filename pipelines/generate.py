@@ -122,6 +122,21 @@ def _done_lines(out: Path) -> set[int]:
     return done
 
 
+def _settled(method: Any, *args: Any, timeout: float, attempts: int = 8) -> Any:
+    """``ray.get(method.remote(*args))`` for an idempotent method, repeated while its actor is
+    restarting (``max_restarts``: it comes back)."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    for attempt in range(attempts):
+        try:
+            return ray.get(method.remote(*args), timeout=timeout)
+        except ActorUnavailableError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(min(10.0, 0.5 * 2**attempt))
+
+
 def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) -> dict[str, Any]:
     """Run ``lines`` through the actors (the cluster must be connected); returns the summary."""
     import ray
@@ -130,7 +145,7 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
     from .topology import build_topology
 
     topo = build_topology(config)
-    before = ray.get(topo.store.counts.remote(), timeout=config.ray.call_timeout_s)
+    before = _settled(topo.store.counts, timeout=config.ray.call_timeout_s)
     timeout = config.ray.call_timeout_s
     todo = list(lines)
     inflight: dict[Any, tuple[PromptLine, int]] = {}
@@ -149,11 +164,12 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
                     result = ray.get(ref, timeout=timeout)
                 except RayActorError as err:
                     rid = item.request["request_id"]
-                    missing = ray.get(topo.store.abandon_request.remote(rid, f"generator died: {type(err).__name__}"),
-                                      timeout=timeout)
+                    missing = _settled(topo.store.abandon_request, rid, f"generator died: {type(err).__name__}",
+                                       timeout=timeout)
                     progress(f"line {item.line}: the generator died during {rid} ({missing} SAE block(s) recorded "
                              "missing)" + ("; running it again" if attempt == 0 else "; giving up"))
                     if attempt == 0:
+                        _settled(topo.generator.stats, timeout=timeout)  # wait for the restarted generator
                         retry = PromptLine(item.line, {**item.request, "request_id": f"{rid}-retry1"})
                         inflight[topo.generator.generate.remote(retry.request)] = (retry, 1)
                         continue
@@ -167,9 +183,9 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
                 elapsed = time.perf_counter() - started
                 progress(f"[{finished}/{len(lines)}] line {item.line} {result.get('finish_reason')} "
                          f"{tokens} tokens {tokens / elapsed:.1f} tok/s")
-    drained = ray.get(topo.generator.drain.remote(), timeout=timeout * 4)
-    ingest = ray.get(topo.ingest.flush.remote(), timeout=timeout)
-    after = ray.get(topo.store.counts.remote(), timeout=timeout)
+    drained = _settled(topo.generator.drain, timeout=timeout * 4)
+    ingest = _settled(topo.ingest.flush, timeout=timeout)
+    after = _settled(topo.store.counts, timeout=timeout)
     elapsed = time.perf_counter() - started
     return {
         "requests": finished,

@@ -40,10 +40,10 @@ _QUESTIONS = ("Explain this part of the Python documentation.", "What does the d
 @dataclass(frozen=True)
 class TrainConfig:
     tokens: int = 1_000_000  # activations collected (position 0 excluded)
-    epochs: int = 2
+    epochs: int = 4
     layer: int = 16
-    width: int = 4608  # 8 × hidden size
-    k: int = 32
+    width: int = 1536  # wider SAEs left most features dead on this corpus (see the README)
+    k: int = 48
     seq_len: int = 256
     collect_batch: int = 8
     train_batch: int = 4096
@@ -51,8 +51,8 @@ class TrainConfig:
     holdout: float = 0.05
     seed: int = 0
     corpus: str = "python-docs"
-    dead_window: int = 0  # steps without firing before AuxK loss revives a feature; 0: a tenth of the steps
-    aux_coefficient: float = 1.0
+    dead_window: int = 10  # steps without firing before AuxK loss revives a feature; 0: a tenth of the steps
+    aux_coefficient: float = 2.0
     save_dtype: str = "float16"  # keeps the committed SAE under 15 MB
 
 
