@@ -54,6 +54,8 @@ def ray_head(tmp_path_factory):
     head = Head(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)
     try:
         ray.init(address=head.address, log_to_driver=False)
+        gcs = ray.get_runtime_context().gcs_address
+        assert gcs.startswith("127.0.0.1:"), f"Ray must stay on loopback in tests, but its GCS is at {gcs}"
         yield head
     finally:
         ray.shutdown()
