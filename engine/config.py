@@ -42,6 +42,14 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
+def _require(obj: Any, prefix: str, checks: list[tuple[str, bool, str]]) -> None:
+    """Raise for the first ``(field, ok, constraint)`` that is not ok, naming field and value."""
+    for name, ok, constraint in checks:
+        if not ok:
+            value = getattr(obj, name)
+            raise ConfigError(f"`{prefix}{name}` must be {constraint}, got {value!r}", parameter=name, value=value)
+
+
 def _check_device(device: str) -> None:
     base, _, index = device.partition(":")
     if base not in ("auto", "cpu", "mps", "cuda") or (index and (base != "cuda" or not index.isdigit())):
@@ -104,17 +112,13 @@ class GenerationConfig:
     step_limit: int | None = None
 
     def __post_init__(self) -> None:
-        checks = [
+        _require(self, "", [
             ("max_tokens", self.max_tokens >= 1, ">= 1"),
             ("temperature", self.temperature >= 0, ">= 0 (0 is greedy)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0 (0 disables top-k)"),
             ("step_limit", self.step_limit is None or self.step_limit >= 1, ">= 1 or null"),
-        ]
-        for name, ok, constraint in checks:
-            if not ok:
-                value = getattr(self, name)
-                raise ConfigError(f"`{name}` must be {constraint}, got {value!r}", parameter=name, value=value)
+        ])
 
     @property
     def effective_step_limit(self) -> int:
@@ -158,12 +162,8 @@ class ActivationsConfig:
     memory_limit: str = "1GB"
 
     def __post_init__(self) -> None:
-        if self.retention_days < 1:
-            raise ConfigError(f"`activations.retention_days` must be >= 1, got {self.retention_days}",
-                              parameter="retention_days", value=self.retention_days)
-        if self.threads < 1:
-            raise ConfigError(f"`activations.threads` must be >= 1, got {self.threads}",
-                              parameter="threads", value=self.threads)
+        _require(self, "activations.", [("retention_days", self.retention_days >= 1, ">= 1"),
+                                        ("threads", self.threads >= 1, ">= 1")])
 
 
 @dataclass(frozen=True)
@@ -187,13 +187,9 @@ class SAEConfig:
 
     def __post_init__(self) -> None:
         _check_device(self.device)
-        checks = [("layer", self.layer >= 0, ">= 0"), ("top_k", self.top_k >= 1, ">= 1"),
-                  ("block_steps", self.block_steps >= 1, ">= 1"),
-                  ("max_pending_blocks", self.max_pending_blocks >= 1, ">= 1")]
-        for name, ok, constraint in checks:
-            if not ok:
-                raise ConfigError(f"`sae.{name}` must be {constraint}, got {getattr(self, name)!r}",
-                                  parameter=name, value=getattr(self, name))
+        _require(self, "sae.", [("layer", self.layer >= 0, ">= 0"), ("top_k", self.top_k >= 1, ">= 1"),
+                                 ("block_steps", self.block_steps >= 1, ">= 1"),
+                                 ("max_pending_blocks", self.max_pending_blocks >= 1, ">= 1")])
         if self.mode not in ("nearline", "inline"):
             raise ConfigError(f"`sae.mode` must be nearline or inline, got {self.mode!r}", parameter="mode",
                               value=self.mode)
@@ -227,16 +223,12 @@ class RayConfig:
     call_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        checks = [("sae_workers", self.sae_workers >= 1, ">= 1"),
-                  ("max_inflight_blocks", self.max_inflight_blocks >= 1, ">= 1"),
-                  ("generator_max_concurrency", self.generator_max_concurrency >= 1, ">= 1"),
-                  ("ingest_batch_size", self.ingest_batch_size >= 1, ">= 1"),
-                  ("ingest_flush_interval_s", self.ingest_flush_interval_s > 0, "> 0"),
-                  ("call_timeout_s", self.call_timeout_s > 0, "> 0")]
-        for name, ok, constraint in checks:
-            if not ok:
-                raise ConfigError(f"`ray.{name}` must be {constraint}, got {getattr(self, name)!r}", parameter=name,
-                                  value=getattr(self, name))
+        _require(self, "ray.", [("sae_workers", self.sae_workers >= 1, ">= 1"),
+                                ("max_inflight_blocks", self.max_inflight_blocks >= 1, ">= 1"),
+                                ("generator_max_concurrency", self.generator_max_concurrency >= 1, ">= 1"),
+                                ("ingest_batch_size", self.ingest_batch_size >= 1, ">= 1"),
+                                ("ingest_flush_interval_s", self.ingest_flush_interval_s > 0, "> 0"),
+                                ("call_timeout_s", self.call_timeout_s > 0, "> 0")])
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["BenchRow", "run_bench", "run_sae_bench", "run_ray_bench", "run_cli", "main"]
+__all__ = ["BenchRow", "run_bench", "run_sae_bench", "run_ray_bench", "run_strategy_bench", "run_cli", "main"]
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -185,6 +185,56 @@ def run_sae_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3, sae_i
     }
 
 
+def run_strategy_bench(engine: Any, *, repeats: int = 50) -> dict[str, Any]:
+    """Per-step milliseconds of a constrained-generation step (a SelfPrompt masking the full
+    vocabulary for a strategy) beside one forward pass of the model."""
+    from mods.actions import ActionBuilder
+    from mods.self_prompt import SelfPrompt
+    from mods.strategies.base import token_texts
+    from mods.strategies.strategy_constructor import CharsMode, CharsStrat, ChoicesStrat
+
+    backend, tokenizer = engine.backend, engine.tokenizer
+    rid = "bench-strategy"
+    backend.prefill(rid, engine.encode(PROMPT), 8)
+    try:
+        event = backend.forward_pass(rid, 0)
+        forward_ms = []
+        for step in range(1, 11):
+            backend.add_token(rid, step, [int(event.logits.tensor.argmax())], False)
+            started = time.perf_counter()
+            event = backend.forward_pass(rid, step)
+            forward_ms.append((time.perf_counter() - started) * 1000)
+        started = time.perf_counter()
+        token_texts(tokenizer)  # the one-time vocabulary table (once per tokenizer per process)
+        table_ms = (time.perf_counter() - started) * 1000
+        cases = {"STRING chars (~all of the vocabulary allowed)": CharsStrat(CharsMode.STRING, stop='"'),
+                 "JS_FLOAT chars (digits and signs)": CharsStrat(CharsMode.JS_FLOAT, stop="\n"),
+                 "choices yes/no": ChoicesStrat(["yes", "no"])}
+        steps: dict[str, float] = {}
+        for name, strategy in cases.items():
+            helper = SelfPrompt(strategy=strategy)
+            helper.handle_forward_pass(event, ActionBuilder(event), tokenizer)  # compile + first mask
+            timings = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                helper.handle_forward_pass(event, ActionBuilder(event), tokenizer)
+                timings.append((time.perf_counter() - started) * 1000)
+            steps[name] = statistics.median(timings)
+    finally:
+        backend.release(rid)
+    return {"forward_pass_ms": statistics.median(forward_ms), "vocabulary_table_ms": table_ms,
+            "vocab": backend.info.vocab_size, "mask_step_ms": steps}
+
+
+def format_strategy(report: dict[str, Any]) -> str:
+    lines = [f"vocabulary {report['vocab']:,} ids; token-text table built once: {report['vocabulary_table_ms']:.0f} ms",
+             "", "| step | ms | vs a forward pass |", "|---|---|---|",
+             f"| one decode forward pass | {report['forward_pass_ms']:.2f} | 1.00 |"]
+    for name, ms in report["mask_step_ms"].items():
+        lines.append(f"| SelfPrompt mask step, {name} | {ms:.2f} | {ms / report['forward_pass_ms']:.3f} |")
+    return "\n".join(lines)
+
+
 RAY_PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
                "Describe a walk through an autumn forest.", "What makes a good cup of tea?",
                "Tell me about the history of maps.", "Describe the sea at night."]
@@ -242,6 +292,9 @@ def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str]
                     stats = ray.get(topo.generator.stats.remote(), timeout=60)
                     backlog.append((round(time.perf_counter() - t0, 2), stats.get("sae", {}).get("backlog", 0)))
 
+            one_at_a_time = dataclasses.replace(ray_cfg, ray=dataclasses.replace(ray_cfg.ray, generator_max_concurrency=1))
+            lines = [PromptLine(i + 1, {**r, "request_id": f"bench-seq-{i}"}) for i, r in enumerate(requests)]
+            sequential = run(one_at_a_time, lines, Path(tmp) / "ray-seq.jsonl", progress=progress)
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
             lines = [PromptLine(i + 1, {**r, "request_id": f"bench-{i}"}) for i, r in enumerate(requests)]
@@ -256,9 +309,12 @@ def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str]
                     pass
             ray.shutdown()
     return {"prompts": len(requests), "new_tokens": new_tokens, "in_process_tokens_per_s": local_rate,
-            "ray_tokens_per_s": summary["tokens_per_s"], "ratio": summary["tokens_per_s"] / local_rate,
-            "sae_rows": summary["sae_rows"], "sae_backlog": backlog,
-            "max_backlog": max((b for _, b in backlog), default=0)}
+            "ray_one_at_a_time_tokens_per_s": sequential["tokens_per_s"],
+            "ray_tokens_per_s": summary["tokens_per_s"], "concurrency": ray_cfg.ray.generator_max_concurrency,
+            "ratio_one_at_a_time": sequential["tokens_per_s"] / local_rate,
+            "ratio": summary["tokens_per_s"] / local_rate,
+            "sae_rows": summary["sae_rows"], "sae_blocks_missing": summary["sae_blocks_missing"],
+            "sae_backlog": backlog, "max_backlog": max((b for _, b in backlog), default=0)}
 
 
 def format_ray(report: dict[str, Any]) -> str:
@@ -266,11 +322,13 @@ def format_ray(report: dict[str, Any]) -> str:
     return "\n".join([
         f"{report['prompts']} prompts × {report['new_tokens']} new tokens, SAE nearline in both paths",
         "",
-        "| path | tokens/s |",
-        "|---|---|",
-        f"| in-process engine | {report['in_process_tokens_per_s']:.1f} |",
-        f"| Ray: generator + 2 SAE workers + store + ingest | {report['ray_tokens_per_s']:.1f} |",
-        f"| Ray / in-process | {report['ratio']:.3f} |",
+        "| path | tokens/s | vs in-process |",
+        "|---|---|---|",
+        f"| in-process engine, one request at a time | {report['in_process_tokens_per_s']:.1f} | 1.00 |",
+        f"| Ray (generator + 2 SAE workers + store + ingest), one request at a time | "
+        f"{report['ray_one_at_a_time_tokens_per_s']:.1f} | {report['ratio_one_at_a_time']:.2f} |",
+        f"| Ray, {report['concurrency']} requests at a time on the generator | {report['ray_tokens_per_s']:.1f} | "
+        f"{report['ratio']:.2f} |",
         "",
         f"SAE backlog (blocks in flight) over time: {trace or 'n/a'}; peak {report['max_backlog']}",
     ])
@@ -336,7 +394,10 @@ def run_cli(args: argparse.Namespace) -> int:
                                           progress=progress)
         if args.ray:
             report["ray"] = run_ray_bench(engine, new_tokens=min(args.new_tokens, 64), progress=progress)
+        report["strategy"] = run_strategy_bench(engine)
     print(format_table(report))
+    print()
+    print(format_strategy(report["strategy"]))
     if args.sae:
         print()
         print(format_sae(report["sae"]))

@@ -16,6 +16,25 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+def _ray_token_for_tests() -> None:
+    """Ray 2.60 turns on token authentication once ~/.ray/auth_token exists, after which clients
+    without RAY_AUTH_MODE=token are refused. Tests run with token auth on, with a token of their
+    own, so they pass the same whether or not this machine's home holds one."""
+    import secrets
+    import tempfile
+
+    if "RAY_AUTH_TOKEN_PATH" in os.environ or "RAY_AUTH_TOKEN" in os.environ:
+        return
+    path = os.path.join(tempfile.gettempdir(), f"raylens-test-ray-token-{os.getpid()}")
+    with open(path, "w") as handle:
+        handle.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+_ray_token_for_tests()
+
+
 @pytest.fixture(scope="session")
 def engine():
     """The embedded SmolLM2-135M-Instruct on CPU, loaded once; treat it as read-only."""

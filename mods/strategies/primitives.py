@@ -269,7 +269,8 @@ class CharsStrategy(Strategy):
         if not stop_ok:
             return plain
         _, with_stop = self._classes(tokenizer)
-        return IdSet(plain | with_stop | {state.stop_token})
+        key = ("chars-stop", self._kind, self._stop, self._include_stop, remaining, state.stop_token)
+        return token_texts(tokenizer).memo(key, lambda: IdSet(plain | with_stop | {state.stop_token}))
 
     def disallowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
         return _eos(tokenizer)

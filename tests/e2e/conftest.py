@@ -46,7 +46,9 @@ def ray_head(tmp_path_factory):
 
     temp_dir = Path("/tmp") / f"rl-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths have a length limit
     port, dash = free_port(), free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # as with an activated venv: jobs run `python …` from the head's PATH
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     cmd = [_ray_cli(), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "8",
            "--num-gpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard",
            "true", "--temp-dir", str(temp_dir), "--disable-usage-stats"]
@@ -71,9 +73,9 @@ def ray_config(tmp_path: Path, *, ingest_url: str | None = None, **ray_overrides
         sae=dataclasses.replace(cfg.sae, enabled=True, block_steps=2),
         ingest=dataclasses.replace(cfg.ingest, url=ingest_url, retries=1, timeout_s=2.0,
                                    spool_dir=str(tmp_path / "spool")),
-        ray=dataclasses.replace(cfg.ray, namespace=f"raylens-test-{uuid.uuid4().hex[:8]}", sae_workers=2,
-                                sae_worker_num_cpus=1, max_inflight_blocks=4, ingest_flush_interval_s=0.5,
-                                call_timeout_s=120, **ray_overrides),
+        ray=dataclasses.replace(cfg.ray, **{"namespace": f"raylens-test-{uuid.uuid4().hex[:8]}", "sae_workers": 2,
+                                            "sae_worker_num_cpus": 1, "max_inflight_blocks": 4,
+                                            "ingest_flush_interval_s": 0.5, "call_timeout_s": 120, **ray_overrides}),
     )
 
 

@@ -242,3 +242,49 @@ def test_payloads_are_spooled_while_ingest_is_down_then_delivered(ray_head, tmp_
         kill_namespace_actors(config)
         if server is not None:
             server.stop()
+
+
+def test_status_reports_actors_backlog_store_rows_and_spool(topology, tmp_path, capsys):
+    from pipelines.cli import main
+
+    run_lines(topology.config, tmp_path, [PROMPTS[0] | {"request_id": "for-status"}], "status")
+    assert main(["status", "--config", str(_job_config_file(topology.config, tmp_path))]) == 0
+    report = json.loads(capsys.readouterr().out)
+    actors = report["actors"]
+    assert isinstance(actors["raylens-store"], dict), report
+    assert actors["raylens-store"]["activations"] > 0
+    assert "backlog" in actors["raylens-generator"]["sae"]
+    assert actors["raylens-ingest"]["spool_files"] == 0 and report["cluster"]["nodes"] == 1
+
+
+def test_submit_runs_a_prompts_file_as_a_ray_job(ray_head, topology, tmp_path, capsys):
+    from pipelines.cli import main
+
+    prompts, out = tmp_path / "submit.jsonl", tmp_path / "submit-results.jsonl"
+    write_prompts(prompts, [{"prompt": "Say hello.", "max_tokens": 6, "temperature": 0, "request_id": "submitted"}])
+    code = main(["submit", "--prompts", str(prompts), "--out", str(out), "--address", ray_head.dashboard_url,
+                 "--config", str(_job_config_file(topology.config, tmp_path)), "--timeout", "600"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    assert "SUCCEEDED" in err and '"summary"' in err  # the job's own log, followed live
+    assert json.loads(out.read_text().splitlines()[0])["request_id"] == "submitted"
+
+
+def test_when_sae_workers_fall_behind_the_generator_waits_and_nothing_is_lost(ray_head, tmp_path):
+    """One SAE worker, one block in flight at most, a block per forward pass: the hand-off must
+    wait for the worker again and again (back-pressure) and still store every block."""
+    import ray
+
+    from pipelines.topology import build_topology
+
+    config = ray_config(tmp_path, sae_workers=1, max_inflight_blocks=1)
+    config = dataclasses.replace(config, sae=dataclasses.replace(config.sae, block_steps=1))
+    try:
+        topo = build_topology(config)
+        summary, _ = run_lines(config, tmp_path, [{"prompt": "Count to ten.", "max_tokens": 16, "temperature": 0,
+                                                   "ignore_eos": True, "request_id": "slow"}], "slow")
+        stats = ray.get(topo.generator.stats.remote(), timeout=120)["sae"]
+        assert stats["backlog_waits"] > 0 and stats["max_inflight_seen"] == 1
+        assert stats["blocks_stored"] == stats["blocks_submitted"] and summary["sae_blocks_missing"] == 0
+    finally:
+        kill_namespace_actors(config)

@@ -84,3 +84,16 @@ def test_parse_bool_is_the_one_bool_parser():
     assert not parse_bool("0") and not parse_bool("false") and not parse_bool("")
     with pytest.raises(ValueError):
         parse_bool("maybe")
+
+
+def test_ray_commands_turn_on_token_auth_when_a_token_exists(tmp_path, monkeypatch):
+    from pipelines.ray_commands import prepare_ray_env
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    prepare_ray_env()
+    assert "RAY_AUTH_MODE" not in __import__("os").environ  # no token, nothing to do
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t" * 64)
+    prepare_ray_env()
+    assert __import__("os").environ["RAY_AUTH_MODE"] == "token"
