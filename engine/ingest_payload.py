@@ -19,6 +19,7 @@ recorded, with ``details.applied`` and, when it was not applied, ``details.note`
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Sequence
@@ -250,8 +251,6 @@ def _i32(value: Any) -> int:
 
 
 def _prob(logprob: float) -> float:
-    import math
-
     return math.exp(logprob) if logprob > -700 else 0.0
 
 

@@ -51,6 +51,7 @@ _SDK_SUBMODULES = {
     "strategies.list_strategy": "mods.strategies.list_strategy",
     "strategies.strategy_constructor": "mods.strategies.strategy_constructor",
     "strategies.compile": "mods.strategies.compile",
+    "strategies.pattern": "mods.strategies.pattern",
 }
 
 #: Non-SDK legacy modules.

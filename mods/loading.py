@@ -34,6 +34,7 @@ __all__ = [
     "load_mod_from_path",
     "load_mod_from_payload",
     "bundle_payload",
+    "payload_for_file",
     "resolve_mods",
 ]
 
@@ -313,6 +314,18 @@ def load_mod_from_payload(payload: Mapping[str, Any]) -> Callable[..., Any]:
     else:
         raise ModPayloadError("mod payload needs `source` (code, or a {path: code} bundle) or `dir`/`files`")
     return _bridge(candidate, entrypoint)
+
+
+def payload_for_file(spec: str | Path) -> dict[str, Any]:
+    """A payload that carries a mod file's code (to run where the file does not exist, e.g. a Ray
+    actor): inline source, or a bundle when the file is a module of a package."""
+    path, _ = _split_entry(spec)
+    entry = load_mod_from_path(spec).__name__  # validates the file and finds its mod
+    source = path.read_text(encoding="utf-8")
+    if _has_relative_imports(source):
+        return bundle_payload(path, entry)
+    module = f"raylens_shipped_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]}"
+    return {"language": "python", "entrypoint": entry, "source": source, "module": module, "name": entry}
 
 
 def bundle_payload(path: str | Path, entrypoint: str) -> dict[str, Any]:

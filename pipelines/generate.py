@@ -48,7 +48,7 @@ class PromptLine:
 
 
 def _mod_payloads(specs: Any, where: str) -> list[dict[str, Any]]:
-    from mods.loading import ModPayloadError, load_mod_from_path, load_mod_from_payload
+    from mods.loading import ModPayloadError, load_mod_from_payload, payload_for_file
 
     if not isinstance(specs, list):
         raise InputError(f"{where}: `mods` must be a list of mod file paths or payload objects")
@@ -64,12 +64,9 @@ def _mod_payloads(specs: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(spec, str):
             raise InputError(f"{where}: a mod must be a path string or a payload object, got {spec!r}")
         try:
-            mod = load_mod_from_path(spec)  # validates the file and finds its entry point
+            payloads.append(payload_for_file(spec))  # the code travels; the path need not exist there
         except ModPayloadError as err:
             raise InputError(f"{where}: {err}") from None
-        path = Path(spec.rsplit(":", 1)[0] if spec.rsplit(":", 1)[0].endswith(".py") else spec)
-        payloads.append({"language": "python", "entrypoint": mod.__name__, "source": path.read_text("utf-8"),
-                         "module": f"raylens_job_mod_{uuid.uuid4().hex[:10]}", "name": mod.__name__})
     return payloads
 
 

@@ -205,3 +205,15 @@ def _tok():
     from tests.helpers import CharTokenizer
 
     return CharTokenizer()
+
+
+def test_payload_for_file_ships_plain_files_inline_and_package_files_as_bundles(tmp_path):
+    from mods.loading import payload_for_file
+
+    plain = tmp_path / "plain.py"
+    plain.write_text(LEGACY_MOD)
+    inline = payload_for_file(plain)
+    assert isinstance(inline["source"], str) and inline["entrypoint"] == "legacy"
+    assert isinstance(load_mod_from_payload(inline)(Sampled("r", 0, 1)), ForceTokens)
+    bundle = payload_for_file(GREETER)
+    assert isinstance(bundle["source"], dict) and bundle["module"] == "examples.greeter.mod"

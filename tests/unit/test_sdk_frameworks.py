@@ -345,3 +345,23 @@ def test_one_copy_of_each_sdk_module_whatever_the_import_name():
     assert a is b and a.EraseMode.NONE is b.EraseMode.NONE
     assert importlib.import_module("quote_mod_sdk.conversation") is importlib.import_module("shared.conversation")
     assert importlib.import_module("sdk.quote_mod_sdk.flow").FlowQuestion is FlowQuestion
+
+
+def test_pattern_strat_compiles_fixed_length_patterns_to_positions():
+    from mods.strategies.pattern import FixedPatternStrategy, PatternStrat, fixed_positions
+
+    assert len(fixed_positions(r"^[0-9]{4}-\d{2}-(\d\d)$")) == 10
+    assert fixed_positions(r"[a-z]+") is None and fixed_positions("ab|cd") is None and fixed_positions("[^a]") is None
+    assert fixed_positions("a|b") == [frozenset("ab")]  # one position either way
+    date = PatternStrat(r"[0-9]{4}-[0-9]{2}").into_strategy(TOK)
+    assert isinstance(date, FixedPatternStrategy)
+    state = date.start(TOK)
+    assert date.allowed_tokens(state, TOK) == set(ids("0123456789"))
+    for ch in "2024":
+        date.step(state, ids(ch)[0], TOK)
+    assert date.allowed_tokens(state, TOK) == set(ids("-"))
+    for ch in "-11":
+        date.step(state, ids(ch)[0], TOK)
+    assert date.is_complete(state) and date.allowed_tokens(state, TOK) == set()
+    loose = PatternStrat(r"\w+@\w+", stop='"').into_strategy(TOK)  # not fixed: a STRING fallback
+    assert isinstance(loose, CharsStrategy)
