@@ -203,6 +203,8 @@ class RayConfig:
     that offer it (e.g. ``sae_gpu`` on a second GPU box, see ray_cluster.yaml); None places them
     anywhere. ``max_inflight_blocks`` bounds hidden-state blocks a generator has handed to SAE
     workers and not yet seen stored: at the bound the token loop waits (back-pressure).
+    ``actor_start_timeout_s`` bounds the wait for new actors to be placed and constructed (the
+    generator loads its model then), so a request no node can meet fails instead of hanging.
     """
 
     namespace: str = "raylens"
@@ -221,6 +223,7 @@ class RayConfig:
     ingest_batch_size: int = 16
     ingest_flush_interval_s: float = 2.0
     call_timeout_s: float = 120.0
+    actor_start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         _require(self, "ray.", [("sae_workers", self.sae_workers >= 1, ">= 1"),
@@ -228,7 +231,8 @@ class RayConfig:
                                 ("generator_max_concurrency", self.generator_max_concurrency >= 1, ">= 1"),
                                 ("ingest_batch_size", self.ingest_batch_size >= 1, ">= 1"),
                                 ("ingest_flush_interval_s", self.ingest_flush_interval_s > 0, "> 0"),
-                                ("call_timeout_s", self.call_timeout_s > 0, "> 0")])
+                                ("call_timeout_s", self.call_timeout_s > 0, "> 0"),
+                                ("actor_start_timeout_s", self.actor_start_timeout_s > 0, "> 0")])
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ __all__ = [
     "TokenOutOfVocabularyError",
     "ContextOverflowError",
     "IngestError",
+    "ClusterCapacityError",
+    "ActorStartError",
 ]
 
 
@@ -65,3 +67,14 @@ class IngestError(RaylensError):
     """The ingest backend refused or could not take a payload (the payload is spooled, not lost)."""
 
     recoverable = True
+
+
+class ClusterCapacityError(RaylensError):
+    """The Ray cluster cannot place raylens' actors: too few CPUs/GPUs, no node offering a custom
+    resource they ask for, or actors still unplaced when the start timeout ends. Lower the
+    ``ray.*`` requests in the config or add a node; waiting on it would hang forever."""
+
+
+class ActorStartError(RaylensError):
+    """A raylens actor raised while being constructed (e.g. the generator could not load its
+    model); the message carries the actor's own error."""

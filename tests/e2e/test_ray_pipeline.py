@@ -288,3 +288,76 @@ def test_when_sae_workers_fall_behind_the_generator_waits_and_nothing_is_lost(ra
         assert stats["blocks_stored"] == stats["blocks_submitted"] and summary["sae_blocks_missing"] == 0
     finally:
         kill_namespace_actors(config)
+
+
+def _no_actor_named(name, namespace) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return True
+    return False
+
+
+def test_a_config_the_cluster_cannot_hold_fails_at_once_and_creates_nothing(ray_head, tmp_path):
+    from engine.errors import ClusterCapacityError
+    from pipelines.topology import actor_names, build_topology
+
+    config = ray_config(tmp_path, generator_num_cpus=64)
+    with pytest.raises(ClusterCapacityError, match=r"raylens-generator asks for 64 CPU"):
+        build_topology(config)
+    assert all(_no_actor_named(name, config.ray.namespace) for name in actor_names(config))
+
+    config = ray_config(tmp_path, sae_worker_resource="sae_gpu")
+    with pytest.raises(ClusterCapacityError, match=r"no node offers the resource 'sae_gpu'"):
+        build_topology(config)
+    assert all(_no_actor_named(name, config.ray.namespace) for name in actor_names(config))
+
+
+def test_actors_that_cannot_be_placed_in_time_fail_the_job_and_are_removed(ray_head, tmp_path):
+    """Another job holds the free CPUs: the generator stays unplaced, so the start timeout ends the
+    wait with the actors named (and they are killed, not left pending in the cluster)."""
+    import ray
+
+    from engine.errors import ClusterCapacityError
+    from pipelines.topology import GENERATOR, actor_names, build_topology
+
+    free = ray.available_resources().get("CPU", 0.0)
+
+    @ray.remote
+    class Blocker:
+        def ready(self) -> bool:
+            return True
+
+    blocker = Blocker.options(num_cpus=free).remote() if free else None
+    config = ray_config(tmp_path, generator_num_cpus=2, actor_start_timeout_s=5)
+    config = dataclasses.replace(config, sae=dataclasses.replace(config.sae, enabled=False))
+    try:
+        if blocker is not None:
+            ray.get(blocker.ready.remote(), timeout=60)
+        with pytest.raises(ClusterCapacityError, match=rf"not started after 5s: .*{GENERATOR} \(2 CPU\)"):
+            build_topology(config)
+        wait_until(lambda: _no_actor_named(GENERATOR, config.ray.namespace), timeout=60, what="generator removed")
+    finally:
+        if blocker is not None:
+            ray.kill(blocker)
+        kill_namespace_actors(config)
+    assert all(_no_actor_named(name, config.ray.namespace) for name in actor_names(config))
+
+
+def test_a_generator_that_cannot_load_its_model_fails_the_job_with_its_own_error(ray_head, tmp_path):
+    from engine.errors import ActorStartError
+    from pipelines.topology import GENERATOR, build_topology
+
+    config = ray_config(tmp_path, actor_start_timeout_s=120)
+    config = dataclasses.replace(config, sae=dataclasses.replace(config.sae, enabled=False),
+                                 backend=dataclasses.replace(config.backend, model_id=str(tmp_path / "no-such-model")))
+    try:
+        with pytest.raises(ActorStartError, match=rf"{GENERATOR} failed to start: .*ModelLoadError: cannot load "
+                                                  r"model '.*no-such-model'") as err:
+            build_topology(config)
+        assert 'File "' not in str(err.value) and "\x1b[" not in str(err.value)  # the cause, not Ray's traceback
+        wait_until(lambda: _no_actor_named(GENERATOR, config.ray.namespace), timeout=60, what="generator removed")
+    finally:
+        kill_namespace_actors(config)
