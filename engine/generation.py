@@ -301,18 +301,27 @@ class _Loop:
                     self.ignored(item, f"{type(action).__name__} has no effect at Prefilled")
 
     def apply_forward_pass(self, calls: list[_Call]) -> _StepPlan:
+        return self.apply_step(calls, "ForwardPass", logits_allowed=True, already_erased=0)
+
+    def apply_sampled(self, calls: list[_Call]) -> _StepPlan:
+        # the pending sample is erased first by a Backtrack here
+        return self.apply_step(calls, "Sampled", logits_allowed=False, already_erased=1)
+
+    def apply_step(self, calls: list[_Call], event: str, *, logits_allowed: bool, already_erased: int) -> _StepPlan:
+        """ForwardPass and Sampled take the same actions, except that only ForwardPass may adjust
+        logits and that at Sampled a Backtrack also drops the token just sampled."""
         plan = _StepPlan()
         for i, item in enumerate(calls):
             action = item.call.action
             match action:
                 case Noop():
                     continue
-                case AdjustedLogits():
+                case AdjustedLogits() if logits_allowed:
                     self.adjust_logits(item, action, plan)
                 case ForceTokens():
                     self.queue_force(item, action)
                 case Backtrack():
-                    reinject = self.backtrack(item, already_erased=0)
+                    reinject = self.backtrack(item, already_erased=already_erased)
                     if reinject is not None:
                         plan.backtracked, plan.reinject = True, reinject
                         self.ignore_rest(calls[i + 1:], action)
@@ -322,7 +331,7 @@ class _Loop:
                         self.ignore_rest(calls[i + 1:], action)
                         return plan
                 case _:
-                    self.ignored(item, f"{type(action).__name__} has no effect at ForwardPass")
+                    self.ignored(item, f"{type(action).__name__} has no effect at {event}")
         return plan
 
     def adjust_logits(self, item: _Call, action: AdjustedLogits, plan: _StepPlan) -> None:
@@ -341,29 +350,6 @@ class _Loop:
         plan.logits = logits
         plan.sampling = base if temp is None else SamplingParams(float(temp), base.top_p, base.top_k)
         self.applied(item)
-
-    def apply_sampled(self, calls: list[_Call]) -> _StepPlan:
-        plan = _StepPlan()
-        for i, item in enumerate(calls):
-            action = item.call.action
-            match action:
-                case Noop():
-                    continue
-                case ForceTokens():
-                    self.queue_force(item, action)
-                case Backtrack():
-                    reinject = self.backtrack(item, already_erased=1)  # the pending sample goes first
-                    if reinject is not None:
-                        plan.backtracked, plan.reinject = True, reinject
-                        self.ignore_rest(calls[i + 1:], action)
-                        return plan
-                case ForceOutput() | ToolCalls() | EmitError():
-                    if self.finish_terminal(item):
-                        self.ignore_rest(calls[i + 1:], action)
-                        return plan
-                case _:
-                    self.ignored(item, f"{type(action).__name__} has no effect at Sampled")
-        return plan
 
     def apply_added(self, calls: list[_Call]) -> None:
         for i, item in enumerate(calls):
