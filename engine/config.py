@@ -88,9 +88,7 @@ class BackendConfig:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"`dtype` must be one of {', '.join(_DTYPES)}, got {self.dtype!r}",
                               parameter="dtype", value=self.dtype)
-        if self.hidden_state_layer < 0:
-            raise ConfigError(f"`hidden_state_layer` must be >= 0, got {self.hidden_state_layer}",
-                              parameter="hidden_state_layer", value=self.hidden_state_layer)
+        _require(self, "", [("hidden_state_layer", self.hidden_state_layer >= 0, ">= 0")])
 
 
 @dataclass(frozen=True)
@@ -142,12 +140,7 @@ class IngestConfig:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"`ingest.url` must start with http:// or https://, got {self.url!r}",
                               parameter="url", value=self.url)
-        if self.timeout_s <= 0:
-            raise ConfigError(f"`ingest.timeout_s` must be > 0, got {self.timeout_s}",
-                              parameter="timeout_s", value=self.timeout_s)
-        if self.retries < 0:
-            raise ConfigError(f"`ingest.retries` must be >= 0, got {self.retries}",
-                              parameter="retries", value=self.retries)
+        _require(self, "ingest.", [("timeout_s", self.timeout_s > 0, "> 0"), ("retries", self.retries >= 0, ">= 0")])
 
 
 @dataclass(frozen=True)
