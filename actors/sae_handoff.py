@@ -28,10 +28,8 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from engine.activations import BlockAccumulator, HiddenBlock
+from engine.activations import BlockAccumulator, BlockMeta, HiddenBlock
 from engine.backends.base import ForwardRecord
-
-from .sae_worker import BlockMeta
 
 __all__ = ["RaySAESink", "HandoffStats"]
 
@@ -90,10 +88,8 @@ class RaySAESink:
         if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
             tensor = tensor.float()
         hidden = tensor.cpu().numpy()  # one device→host copy per block, never per token
-        meta = BlockMeta(block.request_id, block.index, tuple(block.steps), tuple(block.positions),
-                         tuple(block.token_ids), block.created_at)
-        self.store.expect_block.remote(meta.batch_id, meta.request_id, min(meta.steps), max(meta.steps),
-                                       len(meta.token_ids))
+        meta = block.meta()
+        self.store.expect_block.remote(**meta.ledger())
         hidden_ref = ray.put(hidden)
         while len(self._inflight) >= self.max_inflight:
             self.stats.backlog_waits += 1
@@ -141,9 +137,7 @@ class RaySAESink:
         except Exception as err:  # the encoding itself failed: retrying elsewhere would fail alike
             reason = f"{type(err).__name__}: {err}"
         self.stats.blocks_missing += 1
-        meta = item.meta
-        self.store.record_missing.remote(meta.batch_id, meta.request_id, min(meta.steps), max(meta.steps),
-                                         len(meta.token_ids), reason[:2000])
+        self.store.record_missing.remote(**item.meta.ledger(), reason=reason[:2000])
 
     def drain(self) -> None:
         """Wait until every handed-off block is stored or recorded missing."""

@@ -8,36 +8,20 @@ two-box cluster they run only on the box that offers it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
 import torch
 
-from engine.activations import HiddenBlock, encode_block
+from engine.activations import BlockMeta, HiddenBlock, encode_block
 from engine.config import SAEConfig
+from engine.devices import resolve_device
 from engine.sae import SAEEncoder
 
 from .versioning import code_version
 
-__all__ = ["SAEWorkerActor", "BlockMeta"]
-
-
-@dataclass(frozen=True)
-class BlockMeta:
-    """Everything about a block except its hidden states (which travel as an object ref)."""
-
-    request_id: str
-    index: int
-    steps: tuple[int, ...]
-    positions: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    created_at: float
-
-    @property
-    def batch_id(self) -> str:
-        return f"{self.request_id}/{self.index}"
+__all__ = ["SAEWorkerActor"]
 
 
 @ray.remote
@@ -45,11 +29,9 @@ class SAEWorkerActor:
     def __init__(self, sae: dict[str, Any], model_hidden_size: int, model_layers: int, model_id: str,
                  store: Any, timeout_s: float = 120.0) -> None:
         cfg = SAEConfig(**sae)
-        device = "cuda" if cfg.device == "auto" and torch.cuda.is_available() else (
-            "cpu" if cfg.device == "auto" else cfg.device)
         self.encoder = SAEEncoder.load(cfg.sae_id, layer=cfg.layer, top_k=cfg.top_k,
                                        model_hidden_size=model_hidden_size, model_layers=model_layers,
-                                       device=device, dtype=cfg.dtype)
+                                       device=str(resolve_device(cfg.device)), dtype=cfg.dtype)
         self.model_id = model_id
         self.store = store
         self.timeout_s = timeout_s
@@ -63,8 +45,7 @@ class SAEWorkerActor:
 
     def encode(self, hidden: np.ndarray, meta: BlockMeta) -> int:
         """``hidden (n, d)`` → rows in the store; returns the rows written (0 for a repeat)."""
-        block = HiddenBlock(meta.request_id, meta.index, list(meta.steps), list(meta.positions),
-                            list(meta.token_ids), [torch.from_numpy(np.asarray(hidden))], meta.created_at)
+        block = HiddenBlock.from_meta(meta, torch.from_numpy(np.asarray(hidden)))
         rows = encode_block(self.encoder, block, source_mode="nearline", model_id=self.model_id)
         written = ray.get(self.store.append.remote(rows, meta.batch_id, meta.request_id), timeout=self.timeout_s)
         self.blocks_encoded += 1

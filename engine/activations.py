@@ -35,13 +35,40 @@ from .backends.base import ForwardRecord
 from .sae import SAEEncoder, SAEIdentity
 from .store_schema import ACTIVATION_SCHEMA
 
-__all__ = ["HiddenBlock", "BlockAccumulator", "ActivationRecorder", "RecorderStats", "encode_block",
+__all__ = ["BlockMeta", "HiddenBlock", "BlockAccumulator", "ActivationRecorder", "RecorderStats", "encode_block",
            "rows_from_topk"]
 
 log = logging.getLogger("raylens.activations")
 
 Writer = Callable[[pa.Table, str, str], int]  # (rows, batch_id, request_id) → rows written
 MissingRecorder = Callable[["HiddenBlock", str], None]
+
+
+def _batch_id(request_id: str, index: int) -> str:
+    """Deterministic per block, so a block sent twice (a worker died) is stored once."""
+    return f"{request_id}/{index}"
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    """A block without its hidden states: what travels beside the hidden-state object ref to a Ray
+    SAE worker, and what the store's block ledger records."""
+
+    request_id: str
+    index: int
+    steps: tuple[int, ...]
+    positions: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    created_at: float
+
+    @property
+    def batch_id(self) -> str:
+        return _batch_id(self.request_id, self.index)
+
+    def ledger(self) -> dict[str, Any]:
+        """The keyword arguments of ``ActivationStore.expect_block`` / ``record_missing_block``."""
+        return {"batch_id": self.batch_id, "request_id": self.request_id, "first_step": min(self.steps),
+                "last_step": max(self.steps), "token_count": len(self.token_ids)}
 
 
 @dataclass
@@ -57,9 +84,18 @@ class HiddenBlock:
     parts: list[torch.Tensor] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
 
+    @classmethod
+    def from_meta(cls, meta: BlockMeta, hidden: torch.Tensor) -> "HiddenBlock":
+        return cls(meta.request_id, meta.index, list(meta.steps), list(meta.positions), list(meta.token_ids),
+                   [hidden], meta.created_at)
+
+    def meta(self) -> BlockMeta:
+        return BlockMeta(self.request_id, self.index, tuple(self.steps), tuple(self.positions),
+                         tuple(self.token_ids), self.created_at)
+
     @property
     def batch_id(self) -> str:
-        return f"{self.request_id}/{self.index}"
+        return _batch_id(self.request_id, self.index)
 
     @property
     def forwards(self) -> int:

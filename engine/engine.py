@@ -93,9 +93,7 @@ class Engine:
             return store.append_activations(rows, batch_id=batch_id, request_id=request_id)
 
         def missing(block: HiddenBlock, reason: str) -> None:
-            store.record_missing_block(batch_id=block.batch_id, request_id=block.request_id,
-                                       first_step=min(block.steps), last_step=max(block.steps),
-                                       token_count=len(block.token_ids), reason=reason)
+            store.record_missing_block(**block.meta().ledger(), reason=reason)
 
         return ActivationRecorder(encoder, write, missing, mode=sae.mode, block_steps=sae.block_steps,
                                   max_pending_blocks=sae.max_pending_blocks, model_id=info.model_id,

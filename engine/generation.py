@@ -8,7 +8,7 @@ Phase order (compat §4.1; seed 000 module 3)::
            add     ─ Added       ─► actions
            stop checks; step += 1                                    (steps 0, 1, 2, …)
 
-Each phase has one ``_apply_*`` function with one case per action the event allows (compat
+Each phase has one ``apply_*`` method (ForwardPass and Sampled share ``apply_step``) with one case per action the event allows (compat
 §4.2, "Recommended" column). Processing a phase's actions goes in mod registration order and
 ends at the first Backtrack, AdjustedPrefill or terminal action; every non-Noop action after that
 point is recorded as ignored, never dropped silently.
