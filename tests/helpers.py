@@ -7,9 +7,10 @@ exact event/action semantics without a model's noise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -29,6 +30,24 @@ def build_config(**backend_overrides: Any):
 
     env = {k: os.environ[k] for k in ("RAYLENS_MODEL_CACHE",) if k in os.environ}
     return load_config(REPO / "configs" / "local.yaml", env=env, overrides={"backend": backend_overrides})
+
+
+@contextlib.contextmanager
+def loopback_http_server(handler: type) -> Iterator[Any]:
+    """A real HTTP server on 127.0.0.1 (a free port) in a thread, shut down on exit: the stand-in
+    for remote services (ingest backend, Neuronpedia) in tests."""
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
 
 
 def build_generation_cfg(**overrides: Any):

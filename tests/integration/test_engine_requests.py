@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from engine import Engine
 from mods import Added, mod
-from tests.helpers import assert_payload_valid, build_config
+from tests.helpers import assert_payload_valid, build_config, loopback_http_server
 
 PROMPTS = ("What is the capital of France?", "Name a primary colour.")
 
@@ -97,13 +97,8 @@ class _Collector(BaseHTTPRequestHandler):
 @pytest.fixture
 def collector():
     _Collector.received = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=10)
+    with loopback_http_server(_Collector) as server:
+        yield server
 
 
 def test_payload_is_posted_when_an_ingest_url_is_set_and_spooled_when_down(engine, collector, tmp_path):

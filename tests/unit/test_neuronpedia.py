@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from engine.neuronpedia import NeuronpediaClient, NeuronpediaError, explain_features
 from engine.store import ActivationStore
+from tests.helpers import loopback_http_server
 
 
 class Stub(BaseHTTPRequestHandler):
@@ -37,13 +37,8 @@ class Stub(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     Stub.hits = []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
-    thread.join(timeout=10)
+    with loopback_http_server(Stub) as srv:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
 
 
 def test_explanations_are_fetched_once_and_cached_in_the_store(server, tmp_path):
