@@ -6,10 +6,11 @@
 Each input line is a JSON object with ``prompt`` (a user turn) or ``messages`` (a chat) or
 ``input_ids``, and optionally ``mods`` (mod file paths, ``file.py:function``, or payload dicts),
 ``request_id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_tokens``,
-``tools``. Relative paths (prompts, out, and the config's store and spool) are taken under
-``--workdir`` (default: the current directory): a Ray Job runs in a throwaway copy of
-``--working-dir``, so pass ``--workdir $PWD`` to keep results and the store where you are. The whole file is checked before anything runs; a bad line is named
-(``prompts.jsonl:7: …``) and the job exits 2. Mod files are read here and shipped to the
+``ignore_eos``, ``tools``. Relative paths (prompts, out, and the config's store and spool) are
+taken under ``--workdir`` (default: the current directory): a Ray Job runs in a throwaway copy of
+``--working-dir``, so pass ``--workdir $PWD`` to keep results and the store where you are. The
+whole file is checked before anything runs; a bad line is named (``prompts.jsonl:7: …``) and the
+job exits 2. Mod files are read here and shipped to the
 generator as inline-source payloads, so they need not exist where the generator runs.
 
 Requests run concurrently on the GeneratorActor (``ray.generator_max_concurrency`` at a time);

@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -50,7 +51,7 @@ class ActorSpec:
 
     name: str
     resources: dict[str, float]
-    keys: dict[str, str] = field(default_factory=dict)
+    keys: dict[str, str]  # resource → the config key that sets its amount
 
 
 def actor_specs(config: RaylensConfig) -> list[ActorSpec]:
@@ -58,11 +59,11 @@ def actor_specs(config: RaylensConfig) -> list[ActorSpec]:
     r = config.ray
 
     def spec(name: str, prefix: str, cpus: float, gpus: float = 0.0, custom: str | None = None) -> ActorSpec:
-        amounts = {"CPU": (cpus, f"ray.{prefix}_num_cpus"), "GPU": (gpus, f"ray.{prefix}_num_gpus")}
+        wanted = [("CPU", cpus, f"ray.{prefix}_num_cpus"), ("GPU", gpus, f"ray.{prefix}_num_gpus")]
         if custom:
-            amounts[custom] = (1.0, f"ray.{prefix}_resource")
-        kept = {k: v for k, v in amounts.items() if v[0] > 0}
-        return ActorSpec(name, {k: float(v[0]) for k, v in kept.items()}, {k: v[1] for k, v in kept.items()})
+            wanted.append((custom, 1.0, f"ray.{prefix}_resource"))
+        wanted = [w for w in wanted if w[1] > 0]
+        return ActorSpec(name, {res: float(amount) for res, amount, _ in wanted}, {res: key for res, _, key in wanted})
 
     specs = [spec(STORE, "store", r.store_num_cpus), spec(INGEST, "ingest", r.ingest_num_cpus)]
     if config.sae.enabled:
@@ -97,10 +98,10 @@ def check_capacity(specs: Sequence[ActorSpec], nodes: Sequence[Mapping[str, floa
         wanted = sum(s.resources.get(res, 0.0) for s in specs)
         offered = sum(float(n.get(res, 0.0)) for n in nodes)
         if wanted > offered + 1e-9:
-            parts = {}
+            parts: Counter[str] = Counter()
             for s in specs:
                 if res in s.resources:
-                    parts[s.keys[res]] = parts.get(s.keys[res], 0.0) + s.resources[res]
+                    parts[s.keys[res]] += s.resources[res]
             detail = ", ".join(f"{k} {v:g}" for k, v in parts.items())
             raise ClusterCapacityError(
                 f"the raylens actors ask for {wanted:g} {res} in all ({detail}) but the cluster offers {offered:g}: "
