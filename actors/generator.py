@@ -16,7 +16,7 @@ import ray
 
 from engine import Engine
 from engine.config import RaylensConfig
-from engine.result import GenerationResult
+from engine.core.result import GenerationResult
 
 from .sae_handoff import RaySAESink
 from .versioning import code_version

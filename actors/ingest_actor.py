@@ -1,7 +1,7 @@
 """IngestActor: batches observability payloads to the ingest backend.
 
 ``submit`` only enqueues. A flusher thread sends when ``batch_size`` payloads wait or every
-``flush_interval_s``, through the one pooled client of :class:`engine.ingest_client.IngestClient`
+``flush_interval_s``, through the one pooled client of :class:`engine.services.ingest_client.IngestClient`
 (retries with backoff; what still fails is spooled to disk). Spooled payloads are replayed after
 every successful send and on start — a restarted actor picks up what its predecessor spooled.
 Delivery is at-least-once, keyed by request_id (the backend upserts).
@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from engine.config import IngestConfig
-from engine.ingest_client import IngestClient
+from engine.services.ingest_client import IngestClient
 
 from .versioning import code_version
 

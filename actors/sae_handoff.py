@@ -28,8 +28,8 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from engine.activations import BlockAccumulator, BlockMeta, HiddenBlock
-from engine.backends.base import ForwardRecord
+from engine.services.sae_blocks import BlockAccumulator, BlockMeta, HiddenBlock
+from engine.model.backend import ForwardRecord
 
 __all__ = ["RaySAESink", "HandoffStats"]
 

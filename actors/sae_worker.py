@@ -14,10 +14,10 @@ import numpy as np
 import ray
 import torch
 
-from engine.activations import BlockMeta, HiddenBlock, encode_block
+from engine.services.sae_blocks import BlockMeta, HiddenBlock, encode_block
 from engine.config import SAEConfig
-from engine.devices import resolve_device
-from engine.sae import SAEEncoder
+from engine.model.devices import resolve_device
+from engine.services.sae import SAEEncoder
 
 from .versioning import code_version
 

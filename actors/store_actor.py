@@ -12,9 +12,9 @@ from typing import Any
 import pyarrow as pa
 import ray
 
-from engine import queries
+from engine.services import queries
 from engine.config import ActivationsConfig
-from engine.store import ActivationStore, RequestRecord
+from engine.services.store import ActivationStore, RequestRecord
 
 from .versioning import code_version
 

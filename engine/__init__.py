@@ -11,22 +11,22 @@ from typing import TYPE_CHECKING, Any
 __all__ = ["Engine", "GenerationResult", "FinishReason", "load_config"]
 
 if TYPE_CHECKING:
-    from .config import load_config
-    from .engine import Engine
-    from .result import FinishReason, GenerationResult
+    from engine.config import load_config
+    from engine.engine import Engine
+    from engine.core.result import FinishReason, GenerationResult
 
 
 def __getattr__(name: str) -> Any:
     if name == "Engine":
-        from .engine import Engine
+        from engine.engine import Engine
 
         return Engine
     if name in ("GenerationResult", "FinishReason"):
-        from . import result
+        from engine.core import result
 
         return getattr(result, name)
     if name == "load_config":
-        from .config import load_config
+        from engine.config import load_config
 
         return load_config
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

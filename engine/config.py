@@ -4,7 +4,7 @@ Precedence, lowest first: dataclass defaults < YAML file < environment variables
 :data:`ENV_VARS`, the only place the environment is read) < explicit keyword overrides.
 
 Unknown YAML keys are errors that list the known keys: a typo must not be silently ignored.
-``device="auto"``/``dtype="auto"`` are resolved when a backend loads (:mod:`engine.devices`),
+``device="auto"``/``dtype="auto"`` are resolved when a backend loads (:mod:`engine.model.devices`),
 so commands that only read the store never import torch.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, Mapping
 
 import yaml
 
-from .errors import ConfigError
+from engine.errors import ConfigError
 
 __all__ = [
     "BackendConfig",
@@ -161,7 +161,7 @@ class ActivationsConfig:
 
 @dataclass(frozen=True)
 class SAEConfig:
-    """SAE feature extraction. ``sae_id``: a name in ``engine.sae.SAE_REGISTRY`` or an SAE directory
+    """SAE feature extraction. ``sae_id``: a name in ``engine.services.sae.SAE_REGISTRY`` or an SAE directory
     in sae-lens format. ``nearline`` encodes on a background worker in blocks of ``block_steps``
     forward passes (at most ``max_pending_blocks`` waiting: then the token loop waits, nothing is
     dropped); ``inline`` encodes inside the token loop."""

@@ -1,7 +1,7 @@
 """``Engine``: the in-process entry point — a loaded backend plus requests in, results out.
 
 This is the "server layer" of seed 000: it validates a request, applies the chat template,
-resolves mods, runs :func:`engine.generation.run_generation`, decodes text, builds the ingest
+resolves mods, runs :func:`engine.core.rules.run_generation`, decodes text, builds the ingest
 payload and (when an ingest URL is configured) delivers it. One Engine serves concurrent
 ``generate`` calls from several threads; each request has its own KV cache, generator, mod
 manager and mod-log capture.
@@ -22,18 +22,18 @@ from mods.loading import ModSpec, resolve_mods
 from mods.manager import ModManager, mod_name
 from mods.types import ModEvent
 
-from .activations import ActivationRecorder, HiddenBlock
-from .backends import Backend, create_backend
-from .config import GenerationConfig, RaylensConfig, load_config
-from .errors import ConfigError, InvalidRequestError
-from .generation import GenerationRequest, HiddenSink, run_generation
-from .ingest_client import IngestClient
-from .ingest_payload import PayloadRecorder
-from .result import FinishReason, GenerationResult
-from .sae import SAEEncoder
-from .sampling import SamplingParams
-from .store import ActivationStore, RequestRecord
-from .tensor import TensorShim
+from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
+from engine.model import Backend, create_backend
+from engine.config import GenerationConfig, RaylensConfig, load_config
+from engine.errors import ConfigError, InvalidRequestError
+from engine.core.rules import GenerationRequest, HiddenSink, run_generation
+from engine.services.ingest_client import IngestClient
+from engine.services.ingest_payload import PayloadRecorder
+from engine.core.result import FinishReason, GenerationResult
+from engine.services.sae import SAEEncoder
+from engine.model.sampling import SamplingParams
+from engine.services.store import ActivationStore, RequestRecord
+from engine.model.tensor import TensorShim
 
 __all__ = ["Engine", "load_mods"]
 

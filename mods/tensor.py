@@ -1,6 +1,6 @@
 """The tensor surface mods program against (``max.driver.Tensor``, compat §5.1).
 
-The engine puts its own class (``engine.tensor.TensorShim``, over torch) into
+The engine puts its own class (``engine.model.tensor.TensorShim``, over torch) into
 ``ForwardPass.logits`` and binds it as ``max.driver.Tensor``. This numpy-backed class is the
 stand-in when no engine is around: scripted-model tests and tools that only read mods.
 """

@@ -111,7 +111,7 @@ def _synthetic_rows(tokens: int, identity: Any) -> Any:
     """Realistic activation rows through the production row builder."""
     import numpy as np
 
-    from engine.activations import HiddenBlock, rows_from_topk
+    from engine.services.sae_blocks import HiddenBlock, rows_from_topk
 
     rng = np.random.default_rng(0)
     block = HiddenBlock("bench", 0, steps=list(range(tokens)), positions=list(range(tokens)),
@@ -130,7 +130,7 @@ def run_sae_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3, sae_i
     import torch
 
     from engine import Engine
-    from engine.store import ActivationStore
+    from engine.services.store import ActivationStore
 
     backend = engine.backend
     with tempfile.TemporaryDirectory() as tmp:

@@ -109,7 +109,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_ingest_server(args: argparse.Namespace) -> int:
-    from engine.ingest_server import IngestServer
+    from engine.services.ingest_server import IngestServer
 
     server = IngestServer(args.db, host=args.host, port=args.port)
     print(f"raylens ingest server: {server.url} (payloads kept in {args.db}); Ctrl-C stops it", file=sys.stderr,

@@ -46,7 +46,7 @@ def _print(table: Any, as_json: bool) -> None:
 
 def _open(args: argparse.Namespace, *, read_only: bool = True):
     from engine.config import load_config
-    from engine.store import ActivationStore
+    from engine.services.store import ActivationStore
 
     cfg = load_config(args.config)
     return cfg, ActivationStore.from_config(cfg.activations, read_only=read_only)
@@ -57,7 +57,7 @@ def _tokenizer(cfg: Any) -> Any | None:
     try:
         from transformers import AutoTokenizer
 
-        from engine.models import resolve_model_path
+        from engine.model.loading import resolve_model_path
 
         return AutoTokenizer.from_pretrained(resolve_model_path(cfg.backend.model_id, cfg.backend.model_cache_dir),
                                              token=cfg.backend.hf_token)
@@ -70,7 +70,7 @@ def _tokenizer(cfg: Any) -> Any | None:
 
 
 def _cmd_query(args: argparse.Namespace) -> int:
-    from engine import queries
+    from engine.services import queries
 
     cfg, store = _open(args)
     with store:
@@ -94,8 +94,8 @@ def _cmd_query(args: argparse.Namespace) -> int:
 
 
 def _explain(cfg: Any, store: Any, args: argparse.Namespace) -> int:
-    from engine.neuronpedia import NeuronpediaClient, NeuronpediaError, explain_features
-    from engine.sae import SAE_REGISTRY
+    from engine.services.neuronpedia import NeuronpediaClient, NeuronpediaError, explain_features
+    from engine.services.sae import SAE_REGISTRY
 
     if not cfg.sae.neuronpedia_url:
         raise NeuronpediaError("feature explanations are off: set sae.neuronpedia_url (e.g. https://www.neuronpedia.org)")

@@ -219,7 +219,7 @@ def _model_dims(config: RaylensConfig) -> dict[str, int]:
     """Hidden size and layer count from the model's config file (no weights loaded)."""
     from transformers import AutoConfig
 
-    from engine.models import resolve_model_path
+    from engine.model.loading import resolve_model_path
 
     model_config = AutoConfig.from_pretrained(resolve_model_path(config.backend.model_id, config.backend.model_cache_dir),
                                               token=config.backend.hf_token)

@@ -9,7 +9,7 @@ template as an assistant answer, so features also cover the template tokens and 
 turn. ``--corpus cpython`` uses only text that ships with CPython itself (the Language
 Reference topics in ``pydoc_data``; also PSF) — smaller, for smoke tests.
 
-Collection runs only layers ``0..layer`` of the model (:func:`engine.internals.residual_stream`),
+Collection runs only layers ``0..layer`` of the model (:func:`engine.model.capture.residual_stream`),
 in batches, without grad. Position 0 of every sequence is left out: its residual norm is ~100×
 the others (an attention sink) and would dominate the reconstruction loss.
 
@@ -116,7 +116,7 @@ def collect_activations(model: Any, sequences: list[list[int]], cfg: TrainConfig
     import torch
     from tqdm.auto import tqdm
 
-    from engine.internals import residual_stream
+    from engine.model.capture import residual_stream
 
     chunks = []
     for start in tqdm(range(0, len(sequences), cfg.collect_batch), desc="Collecting activations", unit="batch"):
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     from sae_lens import SAE
 
     from engine.config import load_config
-    from engine.models import load_model_and_tokenizer
+    from engine.model.loading import load_model_and_tokenizer
 
     cfg, args = _parse(argv)
     started = time.perf_counter()

@@ -102,7 +102,7 @@ class ScriptedBackend:
     def __init__(self, script: str = "hello world", vocab_size: int = 128) -> None:
         import torch
 
-        from engine.backends.base import ModelInfo
+        from engine.model.backend import ModelInfo
         from engine.config import BackendConfig
 
         self.tok = CharTokenizer()
@@ -141,7 +141,7 @@ class ScriptedBackend:
                          input_ids=list(input_ids))
 
     def forward_pass(self, request_id: str, step: int):
-        from engine.tensor import TensorShim
+        from engine.model.tensor import TensorShim
         from mods.types import ForwardPass
 
         seq = self.sequences[request_id]
@@ -151,8 +151,8 @@ class ScriptedBackend:
     def sample(self, request_id: str, step: int, logits: Any, params: Any):
         import torch
 
-        from engine.sampling import make_generator, sample
-        from engine.tensor import TensorShim
+        from engine.model.sampling import make_generator, sample
+        from engine.model.tensor import TensorShim
         from mods.types import Sampled
 
         tensor = logits.tensor if isinstance(logits, TensorShim) else logits

@@ -38,7 +38,7 @@ def attempt(fn):
 
 @pytest.fixture(scope="module")
 def ingest_server(tmp_path_factory):
-    from engine.ingest_server import IngestServer
+    from engine.services.ingest_server import IngestServer
 
     server = IngestServer(tmp_path_factory.mktemp("ingest") / "ingest.duckdb", port=0).start()
     yield server
@@ -220,7 +220,7 @@ def test_a_job_with_a_bad_line_fails_through_the_jobs_api_with_the_line_named(ra
 def test_payloads_are_spooled_while_ingest_is_down_then_delivered(ray_head, tmp_path):
     import ray
 
-    from engine.ingest_server import IngestServer
+    from engine.services.ingest_server import IngestServer
     from pipelines.topology import build_topology
 
     port = free_port()

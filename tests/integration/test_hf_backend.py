@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.devices import resolve_device
+from engine.model.devices import resolve_device
 from engine.errors import ContextOverflowError, InvalidRequestError, LayerOutOfRangeError, TokenOutOfVocabularyError
-from engine.internals import hidden_states_index
+from engine.model.capture import hidden_states_index
 from mods import Added, ForwardPass, Prefilled, mod
 from tests.helpers import FP32_NOISE_TOL, build_config
 
@@ -29,7 +29,7 @@ def eager_model(engine):
     """The same weights with eager attention, as the attention reference."""
     from transformers import AutoModelForCausalLM
 
-    from engine.models import resolve_model_path
+    from engine.model.loading import resolve_model_path
 
     cfg = engine.config.backend
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model_id, cfg.model_cache_dir),
@@ -224,7 +224,7 @@ def test_bad_token_ids_and_oversized_prompts_are_clear_errors(engine):
 
 
 def test_a_layer_out_of_range_is_rejected_with_the_valid_range(mc):
-    from engine.backends.hf import HuggingFaceBackend
+    from engine.model.hf import HuggingFaceBackend
 
     with pytest.raises(LayerOutOfRangeError, match=rf"in \[0, {mc.num_hidden_layers - 1}\]"):
         HuggingFaceBackend(build_config(hidden_state_layer=mc.num_hidden_layers).backend)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import pytest
 
-from engine.result import FinishReason
+from engine.core.result import FinishReason
 from tests.helpers import TEST_MODS, assert_payload_valid
 
 PROMPT = "What is the capital of France?"

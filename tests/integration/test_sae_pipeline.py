@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.sae import SAE_REGISTRY, SAEEncoder
+from engine.services.sae import SAE_REGISTRY, SAEEncoder
 from tests.helpers import build_config
 
 PROMPT = "Tell me about dragons"

@@ -1,4 +1,4 @@
-"""Every event × action rule of engine/generation.py, exactly, on a scripted model.
+"""Every event × action rule of engine/core/rules.py, exactly, on a scripted model.
 
 The scripted model wants to write "hello world" then EOS; see tests/helpers.ScriptedBackend.
 Each test compares with the mod-free output (positive control) and checks the event trace.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.result import FinishReason
+from engine.core.result import FinishReason
 from mods import (
     Added,
     AdjustedLogits,

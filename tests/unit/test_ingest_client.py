@@ -7,7 +7,7 @@ import json
 import httpx
 
 from engine.config import IngestConfig
-from engine.ingest_client import IngestClient, spool_path
+from engine.services.ingest_client import IngestClient, spool_path
 
 
 def payload(rid: str) -> dict:

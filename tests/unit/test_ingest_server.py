@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from engine.ingest_server import IngestServer
+from engine.services.ingest_server import IngestServer
 from tests.helpers import SHARED_DOCS
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.models import EMBEDDED_MODELS, resolve_model_path
+from engine.model.loading import EMBEDDED_MODELS, resolve_model_path
 
 
 def test_hub_ids_and_local_paths_pass_through_to_from_pretrained(tmp_path):

@@ -7,8 +7,8 @@ from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from engine.neuronpedia import NeuronpediaClient, NeuronpediaError, explain_features
-from engine.store import ActivationStore
+from engine.services.neuronpedia import NeuronpediaClient, NeuronpediaError, explain_features
+from engine.services.store import ActivationStore
 from tests.helpers import loopback_http_server
 
 

@@ -7,10 +7,10 @@ from datetime import datetime, timedelta, timezone
 import pyarrow as pa
 import pytest
 
-from engine import queries
+from engine.services import queries
 from engine.errors import InvalidRequestError
-from engine.store import ActivationStore, RequestRecord
-from engine.store_schema import ACTIVATION_SCHEMA
+from engine.services.store import ActivationStore, RequestRecord
+from engine.services.store_schema import ACTIVATION_SCHEMA
 
 UTC = timezone.utc
 NOW = datetime.now(UTC)

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from engine.activations import ActivationRecorder
-from engine.backends.base import ForwardRecord
-from engine.sae import SAEEncoder, SAELoadError, SAEShapeError, sae_layer_from_hook
+from engine.services.sae_blocks import ActivationRecorder
+from engine.model.backend import ForwardRecord
+from engine.services.sae import SAEEncoder, SAELoadError, SAEShapeError, sae_layer_from_hook
 
 D_IN, D_SAE, LAYER = 32, 64, 3
 

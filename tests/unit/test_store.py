@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from engine.store import (
+from engine.services.store import (
     ActivationStore,
     RequestRecord,
     StoreError,
@@ -23,7 +23,7 @@ from engine.store import (
     StoreNotFoundError,
     StoreSchemaError,
 )
-from engine.store_schema import ACTIVATION_SCHEMA, LATEST_VERSION, MIGRATIONS
+from engine.services.store_schema import ACTIVATION_SCHEMA, LATEST_VERSION, MIGRATIONS
 
 UTC = timezone.utc
 
@@ -153,7 +153,7 @@ def test_an_unwritable_location_is_clear(tmp_path):
 
 
 def test_a_query_on_a_store_without_our_tables_is_clear(tmp_path):
-    from engine.queries import top_features
+    from engine.services.queries import top_features
 
     path = tmp_path / "foreign.duckdb"
     duckdb.connect(str(path)).close()
@@ -196,7 +196,7 @@ def test_a_writer_killed_mid_write_loses_at_most_the_batch_in_flight(tmp_path):
         import pathlib, sys
         sys.path.insert(0, {str(os.getcwd())!r})
         from tests.unit.test_store import rows
-        from engine.store import ActivationStore
+        from engine.services.store import ActivationStore
         store = ActivationStore({str(path)!r}, threads=1)
         for i in range(10_000):
             store.append_activations(rows("r", 5000, seed=i), batch_id=f"r/{{i}}", request_id="r")

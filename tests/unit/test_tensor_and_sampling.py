@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, make_generator, sample
-from engine.tensor import TensorShim, as_torch
+from engine.model.sampling import SamplingParams, make_generator, sample
+from engine.model.tensor import TensorShim, as_torch
 from mods.tensor import NumpyTensor
 
 

@@ -25,7 +25,7 @@ from urllib.parse import unquote
 
 import duckdb
 
-from .schemas import payload_validator
+from engine.schemas import payload_validator
 
 __all__ = ["IngestServer", "check_payload"]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import RaylensError
+from engine.errors import RaylensError
 
 __all__ = [
     "SAESource",
@@ -34,7 +34,7 @@ __all__ = [
     "ASSETS",
 ]
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
 class SAELoadError(RaylensError):

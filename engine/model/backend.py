@@ -17,8 +17,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 from mods.types import Added, ForwardPass, Prefilled, Sampled
 
-from ..config import BackendConfig
-from ..sampling import SamplingParams
+from engine.config import BackendConfig
+from engine.model.sampling import SamplingParams
 
 __all__ = ["Backend", "ModelInfo", "ForwardRecord"]
 

@@ -31,9 +31,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .backends.base import ForwardRecord
-from .sae import SAEEncoder, SAEIdentity
-from .store_schema import ACTIVATION_SCHEMA
+from engine.model.backend import ForwardRecord
+from engine.services.sae import SAEEncoder, SAEIdentity
+from engine.services.store_schema import ACTIVATION_SCHEMA
 
 __all__ = ["BlockMeta", "HiddenBlock", "BlockAccumulator", "ActivationRecorder", "RecorderStats", "encode_block",
            "rows_from_topk"]
@@ -208,7 +208,7 @@ class BlockAccumulator:
 
 
 class ActivationRecorder:
-    """The in-process hidden-state sink of :func:`engine.generation.run_generation`: inline, or
+    """The in-process hidden-state sink of :func:`engine.core.rules.run_generation`: inline, or
     nearline on one background encoder thread."""
 
     def __init__(self, encoder: SAEEncoder, write: Writer, record_missing: MissingRecorder, *,

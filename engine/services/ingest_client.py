@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from .config import IngestConfig
+from engine.config import IngestConfig
 
 __all__ = ["IngestClient", "Delivery", "spool_path"]
 

@@ -16,8 +16,8 @@ from typing import Any, Iterable
 import httpx
 import pyarrow as pa
 
-from .errors import RaylensError
-from .store import ActivationStore
+from engine.errors import RaylensError
+from engine.services.store import ActivationStore
 
 __all__ = ["NeuronpediaClient", "NeuronpediaError", "explain_features"]
 

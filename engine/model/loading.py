@@ -25,7 +25,7 @@ from typing import Any
 
 import platformdirs
 
-from .errors import ModelLoadError
+from engine.errors import ModelLoadError
 
 __all__ = ["EmbeddedModel", "EMBEDDED_MODELS", "EMBEDDED_PREFIX", "resolve_model_path", "load_model_and_tokenizer"]
 

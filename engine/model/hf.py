@@ -2,7 +2,7 @@
 
 Never ``model.generate``: mods intervene between every forward pass. Each request owns a
 ``DynamicCache``; Backtrack uses the cache's own ``crop`` (built for assisted decoding), never
-hand-sliced key/value tensors. The internals events carry come from :mod:`engine.internals`.
+hand-sliced key/value tensors. The internals events carry come from :mod:`engine.model.capture`.
 
 Shapes (``d`` hidden size, ``h`` query heads, ``q`` tokens fed in one forward, ``kv`` tokens in
 context, ``V`` logits width): logits ``(V,)`` float32 per forward; hidden states ``(q, d)`` at
@@ -20,10 +20,10 @@ import torch
 
 from mods.types import Added, ContextInfo, ForwardPass, Prefilled, Sampled
 
-from ..config import BackendConfig
-from ..devices import resolve_device, resolve_dtype
-from ..errors import ContextOverflowError, InvalidRequestError, TokenOutOfVocabularyError
-from ..internals import (
+from engine.config import BackendConfig
+from engine.model.devices import resolve_device, resolve_dtype
+from engine.errors import ContextOverflowError, InvalidRequestError, TokenOutOfVocabularyError
+from engine.model.capture import (
     Captured,
     CapturePlan,
     check_layer,
@@ -31,10 +31,10 @@ from ..internals import (
     forward_kwargs,
     read_captured,
 )
-from ..models import load_model_and_tokenizer
-from ..sampling import SamplingParams, make_generator, sample
-from ..tensor import TensorShim
-from .base import ForwardRecord, ModelInfo
+from engine.model.loading import load_model_and_tokenizer
+from engine.model.sampling import SamplingParams, make_generator, sample
+from engine.model.tensor import TensorShim
+from engine.model.backend import ForwardRecord, ModelInfo
 
 __all__ = ["HuggingFaceBackend"]
 

@@ -27,9 +27,9 @@ from typing import Any, Sequence
 import duckdb
 import pyarrow as pa
 
-from .config import ActivationsConfig
-from .errors import RaylensError
-from .store_schema import ACTIVATION_SCHEMA, LATEST_VERSION, MIGRATIONS
+from engine.config import ActivationsConfig
+from engine.errors import RaylensError
+from engine.services.store_schema import ACTIVATION_SCHEMA, LATEST_VERSION, MIGRATIONS
 
 __all__ = [
     "ActivationStore",

@@ -72,10 +72,10 @@ from mods.types import (
     ToolCalls,
 )
 
-from .backends.base import Backend, ForwardRecord
-from .result import FinishReason, IgnoredAction
-from .sampling import SamplingParams
-from .tensor import as_torch
+from engine.model.backend import Backend, ForwardRecord
+from engine.core.result import FinishReason, IgnoredAction
+from engine.model.sampling import SamplingParams
+from engine.model.tensor import as_torch
 
 __all__ = ["GenerationRequest", "RequestState", "Recorder", "HiddenSink", "run_generation"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import DeviceUnavailableError
+from engine.errors import DeviceUnavailableError
 
 __all__ = ["resolve_device", "resolve_dtype", "available_devices"]
 

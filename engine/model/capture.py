@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .errors import LayerOutOfRangeError
+from engine.errors import LayerOutOfRangeError
 
 __all__ = [
     "CapturePlan",

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import duckdb
 import pyarrow as pa
 
-from .errors import InvalidRequestError
-from .store import ActivationStore, StoreSchemaError
+from engine.errors import InvalidRequestError
+from engine.services.store import ActivationStore, StoreSchemaError
 
 __all__ = [
     "feature_deltas",
