@@ -1,0 +1,108 @@
+"""From the engine's blocking request handle to async routes, with cancellation and a deadline.
+
+A handle blocks on each event, so one daemon thread per active request reads it and hands events
+to the event loop. Whatever ends the consumer early (a client that disconnected, the per-request
+time limit, a stop string, an error) cancels the request, which frees its slot in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator
+
+from .engine_stream import submit
+from .errors import ApiError, ErrorCode, api_error_from
+
+__all__ = ["Stream", "open_stream"]
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+async def open_stream(engine: Any, *, timeout_s: float, **kwargs: Any) -> "Stream":
+    """Submit a request (off the event loop: prompt encoding and mod loading take time); bad input
+    raises :class:`ApiError` here, before any response has started."""
+    from .engine_stream import engine_streams_natively
+
+    if engine_streams_natively(engine):
+        kwargs.setdefault("block", False)  # a full queue is a 503 QUEUE_FULL, not a hung connection
+    try:
+        handle = await asyncio.to_thread(submit, engine, **kwargs)
+    except Exception as err:
+        raise api_error_from(err) from err
+    return Stream(handle, timeout_s)
+
+
+class Stream:
+    """``async for event in stream`` yields the request's events; ``await stream.result()`` its result.
+
+    Leaving the ``async for`` before the end (or :meth:`cancel`) cancels the request.
+    """
+
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+        self.finished = False
+        self.cancelled = False
+        self._loop = asyncio.get_running_loop()
+        self._deadline = self._loop.time() + timeout_s
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        threading.Thread(target=self._pump, daemon=True, name="raylens-stream").start()
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            pass
+
+    def _pump(self) -> None:
+        try:
+            for event in self.handle:
+                self._put(event)
+        except BaseException as err:  # handed to the consumer, which raises it as a coded error
+            self._put(_Failed(err))
+        finally:
+            self._put(_END)
+
+    def cancel(self) -> None:
+        if not self.finished and not self.cancelled:
+            self.cancelled = True
+            self.handle.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            while True:
+                remaining = self._deadline - self._loop.time()
+                try:
+                    if remaining <= 0:
+                        raise asyncio.TimeoutError
+                    item = await asyncio.wait_for(self._queue.get(), remaining)
+                except asyncio.TimeoutError:
+                    raise ApiError(ErrorCode.TIMEOUT, f"the request must finish within {self.timeout_s:g} s, "
+                                                      f"got still running; it was cancelled. Ask for fewer tokens.",
+                                   "max_new_tokens") from None
+                if item is _END:
+                    self.finished = True
+                    return
+                if isinstance(item, _Failed):
+                    self.finished = True
+                    raise api_error_from(item.error) from item.error
+                yield item
+        finally:
+            self.cancel()
+
+    async def result(self) -> Any:
+        remaining = max(self._deadline - self._loop.time(), 1.0)
+        try:
+            return await asyncio.to_thread(self.handle.result, remaining)
+        except TimeoutError:
+            self.cancel()
+            raise ApiError(ErrorCode.TIMEOUT, f"the request must finish within {self.timeout_s:g} s; it was "
+                                              "cancelled.") from None
+        except Exception as err:
+            raise api_error_from(err) from err

@@ -1,0 +1,96 @@
+"""The state one server shares across routes: the engine, its settings, registered mods, counters."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .errors import ApiError, ErrorCode
+from .settings import ServeSettings
+
+__all__ = ["Service", "ModRegistry"]
+
+
+class ModRegistry:
+    """Mods registered through ``POST /v1/mods``, by name; selected by a ``<model>/<name>`` suffix.
+
+    A name may be registered again (the new payload replaces the old one, as in the original
+    server). Thread safe: routes run on several threads.
+    """
+
+    def __init__(self) -> None:
+        self._mods: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, payload: Mapping[str, Any]) -> bool:
+        """Load the payload now (a broken mod fails the registration, not a later request)."""
+        from engine.engine import load_mods
+
+        (loaded,) = load_mods([dict(payload)])
+        with self._lock:
+            replaced = name in self._mods
+            self._mods[name] = (loaded, dict(payload))
+        return replaced
+
+    def get(self, name: str) -> Callable[..., Any]:
+        with self._lock:
+            entry = self._mods.get(name)
+            known = sorted(self._mods)
+        if entry is None:
+            raise ApiError(ErrorCode.NOT_FOUND, f"`model` must name a registered mod after the model id, got mod "
+                                                f"{name!r}; registered: {known[:10] or 'none'}. Register it with "
+                                                f"POST /v1/mods.", "model")
+        return entry[0]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._mods)
+
+
+@dataclass
+class Service:
+    engine: Any
+    settings: ServeSettings
+    mods: ModRegistry = field(default_factory=ModRegistry)
+    _ws_lock: threading.Lock = field(default_factory=threading.Lock)
+    ws_open: int = 0
+
+    @property
+    def info(self) -> Any:
+        return self.engine.backend.info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_id(self) -> str:
+        return self.info.model_id
+
+    def claim_ws(self) -> bool:
+        with self._ws_lock:
+            if self.ws_open >= self.settings.max_ws_connections:
+                return False
+            self.ws_open += 1
+            return True
+
+    def release_ws(self) -> None:
+        with self._ws_lock:
+            self.ws_open -= 1
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    def check_token_ids(self, ids: list[int], parameter: str) -> None:
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(ErrorCode.INVALID_TOKEN, f"`{parameter}` must hold token ids in [0, {vocab}), got "
+                                                    f"{bad[:5]} (vocab_size={vocab}).", parameter)
+
+    def sae_features_available(self) -> bool:
+        """Whether the engine's token events carry SAE features (a ``sae_features`` field)."""
+        from .engine_stream import TokenEvent
+
+        return "sae_features" in getattr(TokenEvent, "__dataclass_fields__", {})
