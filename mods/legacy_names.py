@@ -29,7 +29,7 @@ from typing import Any
 
 from .tensor import NumpyTensor
 
-__all__ = ["install_legacy_names", "LegacyNameConflict", "SDK_PACKAGE"]
+__all__ = ["install_legacy_names", "LegacyNameConflict", "SDK_PACKAGE", "SDK_TOP_LEVEL_NAMES"]
 
 SDK_PACKAGE = "mods"
 
@@ -65,6 +65,13 @@ _OTHER_MODULES = {
 
 #: Namespace packages that exist only to hold the legacy modules.
 _SYNTHETIC_PACKAGES = ("sdk", "shared", "quote", "quote.mods", "max")
+
+#: Every top-level import name the SDK answers for: its own package and the roots of the legacy
+#: names. A mod payload never provides its own module under one of these: a second copy of the SDK
+#: would bring event and action classes that never match the engine's.
+SDK_TOP_LEVEL_NAMES = frozenset(
+    {SDK_PACKAGE, *(name.split(".")[0] for name in (*_SDK_PREFIXES, *_OTHER_MODULES, *_SYNTHETIC_PACKAGES))}
+)
 
 _MARKER = "__raylens_legacy__"
 _lock = threading.Lock()

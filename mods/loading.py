@@ -3,32 +3,37 @@
 Legacy code imports this module as ``quote.mods.sdk_bridge``. Every path here installs the
 legacy import names first (:mod:`mods.legacy_names`), so existing mod files load unchanged.
 
-A mod *file* is executed as a fresh module under a private name, so two files with the same
-stem never collide and re-loading a file gives fresh module state. The mod in it is the
-function named after ``:`` (``path/to/mod.py:my_mod``), else the single ``@mod``-decorated
-function the file defines.
+Every mod file and payload runs in a private namespace of its own
+(:mod:`mods.payload_namespace`): its modules are imported under a package prefix that nothing
+else uses, so a payload cannot replace ``mods``, ``json`` or any other module of the process,
+adds nothing to ``sys.path``, and two payloads (or files) with a module of the same name never
+collide. Re-loading a file gives fresh module state. The mod in a file is the function named
+after ``:`` (``path/to/mod.py:my_mod``), else the single ``@mod``-decorated function it defines.
+
+Directory payloads read files of the machine that runs them, so they load only from directories
+the operator allowed (``allowed_dirs``, the config's ``generation.mod_dirs``).
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
-import importlib.abc
-import importlib.util
 import inspect
 import os
-import sys
+import re
 import textwrap
 import types
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from .legacy_names import install_legacy_names
+from .payload_namespace import PAYLOAD_PREFIX, DirectorySource, MemorySource, PayloadNamespace, inside
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
 __all__ = [
+    "ModDirNotAllowedError",
     "ModLoadError",
     "ModPayloadError",
     "load_mod_from_path",
@@ -45,6 +50,17 @@ class ModPayloadError(ValueError):
 
 class ModLoadError(ModPayloadError):
     """A mod file cannot be loaded; the message says which file and what to change."""
+
+
+class ModDirNotAllowedError(ModPayloadError):
+    """A directory payload names a path outside the operator's allowed directories (the config key
+    ``generation.mod_dirs``), or none are allowed. The request is refused; it can be resent as
+    inline source or a bundle. ``parameter`` is the payload field, ``value`` the path it gave."""
+
+    def __init__(self, message: str, *, parameter: str, value: Any) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
 
 
 ModSpec = Callable[..., Any] | str | Path | Mapping[str, Any]
@@ -71,7 +87,11 @@ def _decorated_functions(module: types.ModuleType) -> list[str]:
 
 
 def load_mod_from_path(spec: str | Path) -> Callable[..., Any]:
-    """Load the mod in a Python file; ``"file.py:name"`` picks a function by name."""
+    """Load the mod in a Python file; ``"file.py:name"`` picks a function by name.
+
+    The file runs in a private namespace keyed by its path: loading it again replaces the earlier
+    load (fresh module state) instead of adding modules to ``sys.modules``.
+    """
     path, entry = _split_entry(spec)
     if not path.is_file():
         raise ModLoadError(f"mod file `{path}` does not exist; pass the path of a .py file that defines a @mod function")
@@ -79,38 +99,28 @@ def load_mod_from_path(spec: str | Path) -> Callable[..., Any]:
         raise ModLoadError(f"mod file `{path}` must be a .py file")
     install_legacy_names()
     resolved = path.resolve()
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
-    module_name = f"raylens_mod_{resolved.stem}_{digest}"
     source = resolved.read_text(encoding="utf-8")
     try:
-        code = compile(source, str(resolved), "exec")
+        compile(source, str(resolved), "exec")
     except SyntaxError as err:
         raise ModLoadError(f"mod file `{path}` has a syntax error at line {err.lineno}: {err.msg}") from None
     if _has_relative_imports(source):  # a module of a package (e.g. examples/tau2/mod.py)
-        return _load_package_file(resolved, entry, shown=path)
-    module = types.ModuleType(module_name)
-    module.__file__ = str(resolved)
-    module.__spec__ = importlib.util.spec_from_file_location(module_name, resolved)
-    sys.modules[module_name] = module  # before exec, so dataclasses and pickling in the mod work
+        payload = bundle_payload(resolved, entry or "_")
+        memory = _bundle_source(payload["source"])
+        module_name = payload["module"]
+    else:
+        module_name = re.sub(r"\W", "_", resolved.stem)
+        memory = MemorySource({module_name: (source, str(resolved), False)}, located=True)
+    namespace = PayloadNamespace(memory, label=str(resolved), key=str(resolved))
     try:
-        exec(code, module.__dict__)
-    except Exception as err:
-        sys.modules.pop(module_name, None)
-        raise ModLoadError(f"mod file `{path}` failed while loading: {type(err).__name__}: {err}") from err
+        module = _import_entry(namespace, module_name, f"mod file `{path}`")
+    except ModPayloadError as err:
+        raise ModLoadError(str(err)) from err.__cause__
     return _pick_entry(module, entry, where=f"`{path}`")
 
 
 def _has_relative_imports(source: str) -> bool:
     return any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(ast.parse(source)))
-
-
-def _load_package_file(file: Path, entry: str | None, *, shown: Path) -> Callable[..., Any]:
-    payload = bundle_payload(file, entry or "_")
-    try:
-        module = _import_bundle(payload["source"], payload["module"])
-    except ModPayloadError as err:
-        raise ModLoadError(f"mod file `{shown}`: {err}") from err.__cause__
-    return _pick_entry(module, entry, where=f"`{shown}`")
 
 
 def _pick_entry(module: types.ModuleType, entry: str | None, *, where: str) -> Callable[..., Any]:
@@ -127,11 +137,29 @@ def _pick_entry(module: types.ModuleType, entry: str | None, *, where: str) -> C
     raise ModLoadError(f"{where} defines several mods ({', '.join(found)}); pick one as FILE.py:function")
 
 
+def _import_entry(namespace: PayloadNamespace, module_name: str, what: str) -> types.ModuleType:
+    """Import a payload's entry module in its namespace; on failure the namespace is unloaded.
+
+    ``BaseException`` is caught too: a payload that calls ``sys.exit()`` while loading must fail
+    its own load, not end the process that loads it.
+    """
+    namespace.install()
+    try:
+        return namespace.import_module(module_name)
+    except BaseException as err:
+        namespace.unload()
+        raise ModPayloadError(f"{what} failed while loading: {type(err).__name__}: {err}") from err
+
+
 # --------------------------------------------------------------------------------- from a payload
 
 
 def _bridge(candidate: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """Wrap a payload mod as the original bridge did (compat §3.3), keeping the cause chained."""
+    """Wrap a payload mod as the original bridge did (compat §3.3), keeping the cause chained.
+
+    Only ``Exception`` becomes ``ModPayloadError``; a ``BaseException`` (``SystemExit``…) passes
+    through to the ModManager, which records it and ends the request.
+    """
 
     def wrapped(event: ModEvent, tokenizer: Any = None) -> ModAction:
         try:
@@ -162,22 +190,25 @@ def _require_str(payload: Mapping[str, Any], key: str) -> str:
     return value
 
 
-def _load_inline(payload: Mapping[str, Any], entrypoint: str) -> Callable[..., Any]:
-    module_name = payload.get("module") or "client_mod"
-    if not isinstance(module_name, str):
-        raise ModPayloadError(f"mod payload field `module` must be a string, got {module_name!r}")
-    module = types.ModuleType(module_name)
-    module.__package__ = None
-    sys.modules[module_name] = module
-    try:
-        exec(compile(textwrap.dedent(payload["source"]), f"<mod {module_name}>", "exec"), module.__dict__)
-    except Exception as err:
-        sys.modules.pop(module_name, None)
-        raise ModPayloadError(f"inline mod `{module_name}` failed while loading: {type(err).__name__}: {err}") from err
+def _entry_of(namespace: PayloadNamespace, module_name: str, entrypoint: str, what: str) -> Callable[..., Any]:
+    module = _import_entry(namespace, module_name, what)
     candidate = getattr(module, entrypoint, None)
     if not callable(candidate):
-        raise ModPayloadError(f"inline mod `{module_name}` has no callable named `{entrypoint}`")
+        namespace.unload()
+        raise ModPayloadError(f"{what} has no callable named `{entrypoint}`")
     return candidate
+
+
+def _load_inline(payload: Mapping[str, Any], entrypoint: str) -> tuple[PayloadNamespace, Callable[..., Any]]:
+    module_name = payload.get("module") or "client_mod"
+    if not isinstance(module_name, str) or not all(module_name.split(".")):
+        raise ModPayloadError(f"mod payload field `module` must be a dotted module name, got {module_name!r}")
+    parts = module_name.split(".")
+    if parts[0].startswith(PAYLOAD_PREFIX) and len(parts) > 1:  # serialized from a loaded mod
+        module_name = ".".join(parts[1:])
+    memory = MemorySource({module_name: (textwrap.dedent(payload["source"]), f"<mod {module_name}>", False)})
+    namespace = PayloadNamespace(memory, label=payload["source"])
+    return namespace, _entry_of(namespace, module_name, entrypoint, f"inline mod `{module_name}`")
 
 
 def _bundle_module_name(path: str) -> str:
@@ -190,113 +221,111 @@ def _bundle_module_name(path: str) -> str:
     return clean.replace("/", ".")
 
 
-class _BundleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves a bundle's in-memory modules (and the packages their names imply) during import."""
-
-    def __init__(self, sources: Mapping[str, str]) -> None:
-        self.code: dict[str, tuple[str, str, bool]] = {}  # module → (source, origin, is_package)
-        for path, text in sources.items():
-            name = _bundle_module_name(path)
-            self.code[name] = (text, f"<bundle {path}>", path.replace("\\", "/").endswith("/__init__.py"))
-        self.packages = {prefix for name in self.code for prefix in self._prefixes(name)}
-
-    @staticmethod
-    def _prefixes(name: str) -> list[str]:
-        parts = name.split(".")
-        return [".".join(parts[:i]) for i in range(1, len(parts))]
-
-    def top_levels(self) -> set[str]:
-        return {name.split(".")[0] for name in self.code}
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        if fullname in self.code or fullname in self.packages:
-            is_package = fullname in self.packages or self.code.get(fullname, ("", "", False))[2]
-            return importlib.util.spec_from_loader(fullname, self, is_package=is_package)
-        return None
-
-    def create_module(self, spec: Any) -> None:
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        name = module.__name__
-        if name in self.packages:
-            module.__path__ = []  # type: ignore[attr-defined]
-        module.__package__ = name if name in self.packages else name.rpartition(".")[0]
-        if name in self.code:
-            text, origin, _ = self.code[name]
-            exec(compile(textwrap.dedent(text), origin, "exec"), module.__dict__)
+def _bundle_source(sources: Mapping[str, str]) -> MemorySource:
+    """A bundle's files as in-memory modules; its folders are packages (``__init__.py`` gives one code)."""
+    return MemorySource({
+        _bundle_module_name(path): (textwrap.dedent(text), f"<bundle {path}>",
+                                    path.replace("\\", "/").endswith("/__init__.py"))
+        for path, text in sources.items()
+    })
 
 
-def _import_bundle(sources: Mapping[str, str], module_name: str) -> types.ModuleType:
-    """Import ``module_name`` from in-memory ``sources``; the finder is on ``sys.meta_path`` only
-    during the import, and every earlier module of the bundle's top-level names is dropped first."""
-    finder = _BundleFinder(sources)
-    if module_name not in finder.code:
-        raise ModPayloadError(f"bundle has no module `{module_name}` (it has {', '.join(sorted(finder.code))})")
-    for name in list(sys.modules):
-        if name.split(".")[0] in finder.top_levels():
-            del sys.modules[name]
-    sys.meta_path.insert(0, finder)
-    try:
-        return importlib.import_module(module_name)
-    except Exception as err:
-        raise ModPayloadError(f"bundle module `{module_name}` failed while loading: {type(err).__name__}: {err}") from err
-    finally:
-        sys.meta_path.remove(finder)
-
-
-def _load_bundle(payload: Mapping[str, Any], entrypoint: str) -> Callable[..., Any]:
+def _load_bundle(payload: Mapping[str, Any], entrypoint: str) -> tuple[PayloadNamespace, Callable[..., Any]]:
     sources = payload["source"]
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in sources.items()):
         raise ModPayloadError("a bundle's `source` must map relative paths (strings) to code (strings)")
     module_name = payload.get("module")
     if not isinstance(module_name, str) or not module_name:
         raise ModPayloadError("a bundle payload needs `module`: the dotted name of the entry module")
-    module = _import_bundle(sources, module_name)
-    candidate = getattr(module, entrypoint, None)
-    if not callable(candidate):
-        raise ModPayloadError(f"bundle module `{module_name}` has no callable named `{entrypoint}`")
-    return candidate
+    memory = _bundle_source(sources)
+    if module_name not in memory.names():
+        raise ModPayloadError(f"bundle has no module `{module_name}` (it has {', '.join(memory.names())})")
+    label = "\n".join(f"{k}\n{v}" for k, v in sorted(sources.items()))
+    namespace = PayloadNamespace(memory, label=label)
+    return namespace, _entry_of(namespace, module_name, entrypoint, f"bundle module `{module_name}`")
 
 
-def _load_from_directory(payload: Mapping[str, Any], entrypoint: str) -> Callable[..., Any]:
-    module_name = payload.get("module")
-    if not isinstance(module_name, str) or not module_name:
-        raise ModPayloadError("a directory payload needs `module`: the dotted name of the entry module")
-    relative = Path(*module_name.split(".")).with_suffix(".py")
+def _allowed_roots(allowed_dirs: Iterable[str | Path] | None) -> list[str]:
+    return [os.path.realpath(os.fspath(d)) for d in allowed_dirs or ()]
+
+
+def _named_start(payload: Mapping[str, Any], roots: list[str]) -> tuple[str, str]:
+    """The directory a directory payload names (``dir``, or the common parent of ``files``), as a
+    real path, and the allowed root that holds it; anything else is refused."""
     if payload.get("dir") is not None:
-        start = Path(str(payload["dir"]))
-        if not start.is_dir():
-            raise ModPayloadError(f"mod payload `dir` {start} is not a directory")
+        named: list[tuple[str, Any]] = [("dir", payload["dir"])]
     else:
         files = payload.get("files")
         if not isinstance(files, list) or not files:
             raise ModPayloadError("a directory payload needs `dir` or a non-empty `files` list")
-        start = Path(os.path.commonpath([str(Path(str(f)).resolve().parent) for f in files]))
-    start = start.resolve()
-    root = next((d for d in (start, *start.parents) if (d / relative).is_file()), None)
-    for entry in ([str(root)] if root is not None else [str(start), os.getcwd()]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    top = module_name.split(".")[0]  # a fresh import of the module's whole package family
-    for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
-        del sys.modules[name]
+        named = [(f"files[{i}]", f) for i, f in enumerate(files)]
+    if not roots:
+        parameter, value = named[0]
+        raise ModDirNotAllowedError(
+            f"`generation.mod_dirs` must list the directories that directory mod payloads may load from, "
+            f"got none (the payload names `{parameter}` {value!r}); add that directory to "
+            "`generation.mod_dirs`, or send the mod as inline source or a bundle",
+            parameter=parameter, value=value)
+    reals: list[str] = []
+    for parameter, value in named:
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise ModPayloadError(f"mod payload field `{parameter}` must be a path, got {value!r}")
+        real = os.path.realpath(os.fspath(value))
+        if not any(inside(real, root) for root in roots):
+            raise ModDirNotAllowedError(
+                f"`{parameter}` must be inside a directory listed in `generation.mod_dirs` "
+                f"({', '.join(roots)}), got {value!r} (resolves to {real})", parameter=parameter, value=value)
+        reals.append(real)
+    if payload.get("dir") is not None:
+        start = reals[0]
+        if not os.path.isdir(start):
+            raise ModPayloadError(f"mod payload `dir` {payload['dir']} is not a directory")
+    else:
+        start = os.path.commonpath([os.path.dirname(r) for r in reals])
+    root = next(r for r in roots if inside(start, r))
+    return start, root
+
+
+def _load_from_directory(payload: Mapping[str, Any], entrypoint: str, allowed_dirs: Iterable[str | Path] | None
+                         ) -> tuple[PayloadNamespace, Callable[..., Any]]:
+    module_name = payload.get("module")
+    if not isinstance(module_name, str) or not module_name:
+        raise ModPayloadError("a directory payload needs `module`: the dotted name of the entry module")
+    if not all(part.isidentifier() for part in module_name.split(".")):
+        raise ModPayloadError(f"mod payload field `module` must be a dotted name of identifiers, got {module_name!r}")
+    start, allowed_root = _named_start(payload, _allowed_roots(allowed_dirs))
+    relative = os.path.join(*module_name.split(".")) + ".py"
+    # Search the named directory and its parents for the module, as the original did, but never
+    # above the allowed directory that holds it.
+    candidates = [start]
+    while candidates[-1] != allowed_root:
+        candidates.append(os.path.dirname(candidates[-1]))
+    root = next((d for d in candidates if os.path.isfile(os.path.join(d, relative))), None)
+    if root is None:
+        raise ModPayloadError(f"mod module `{module_name}` was not found as {relative} in {start} or its parents "
+                              f"up to {allowed_root}")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as err:
-        raise ModPayloadError(f"mod module `{module_name}` failed while loading: {type(err).__name__}: {err}") from err
-    candidate = getattr(module, entrypoint, None)
-    if not callable(candidate):
-        raise ModPayloadError(f"mod module `{module_name}` has no callable named `{entrypoint}`")
-    return candidate
+        source = DirectorySource(root, allowed_root)
+    except ImportError as err:
+        raise ModPayloadError(str(err)) from None
+    namespace = PayloadNamespace(source, label=f"{root}:{module_name}")
+    return namespace, _entry_of(namespace, module_name, entrypoint, f"mod module `{module_name}`")
 
 
-def load_mod_from_payload(payload: Mapping[str, Any]) -> Callable[..., Any]:
+def load_mod_from_payload(payload: Mapping[str, Any], *,
+                          allowed_dirs: Iterable[str | Path] | None = None) -> Callable[..., Any]:
     """Load a mod from a payload dict (compat §3.3), in this order of forms:
 
     * bundle — ``source`` maps relative paths to code, ``module`` names the entry module;
-    * directory — ``dir`` (or ``files``) plus ``module``;
+    * directory — ``dir`` (or ``files``) plus ``module``; only inside ``allowed_dirs`` (the
+      operator's ``generation.mod_dirs``), after resolving ``..`` and symlinks. With no allowed
+      directories every directory payload is refused (:class:`ModDirNotAllowedError`);
     * inline — ``source`` is the code of one module (``module`` defaults to ``client_mod``).
+
+    Every form runs in a private namespace (:mod:`mods.payload_namespace`): the payload's modules
+    never replace a module of the process, nothing is added to ``sys.path``, and two payloads with
+    a module of the same name do not meet. The namespace is unloaded when the returned mod is
+    garbage collected.
     """
     if not isinstance(payload, Mapping):
         raise ModPayloadError(f"mod payload must be a JSON object, got {type(payload).__name__}")
@@ -306,14 +335,16 @@ def load_mod_from_payload(payload: Mapping[str, Any]) -> Callable[..., Any]:
     install_legacy_names()
     source = payload.get("source")
     if isinstance(source, Mapping) and source:
-        candidate = _load_bundle(payload, entrypoint)
+        namespace, candidate = _load_bundle(payload, entrypoint)
     elif payload.get("dir") is not None or payload.get("files"):
-        candidate = _load_from_directory(payload, entrypoint)
+        namespace, candidate = _load_from_directory(payload, entrypoint, allowed_dirs)
     elif isinstance(source, str) and source.strip():
-        candidate = _load_inline(payload, entrypoint)
+        namespace, candidate = _load_inline(payload, entrypoint)
     else:
         raise ModPayloadError("mod payload needs `source` (code, or a {path: code} bundle) or `dir`/`files`")
-    return _bridge(candidate, entrypoint)
+    bridged = _bridge(candidate, entrypoint)
+    weakref.finalize(bridged, namespace.unload).atexit = False
+    return bridged
 
 
 def payload_for_file(spec: str | Path) -> dict[str, Any]:
@@ -345,14 +376,17 @@ def bundle_payload(path: str | Path, entrypoint: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ any of them
 
 
-def resolve_mods(specs: Iterable[ModSpec] | None) -> list[Callable[..., Any]]:
-    """Turn what a user passed as ``mods=`` into callables, in order."""
+def resolve_mods(specs: Iterable[ModSpec] | None, *,
+                 allowed_dirs: Iterable[str | Path] | None = None) -> list[Callable[..., Any]]:
+    """Turn what a user passed as ``mods=`` into callables, in order. ``allowed_dirs``: where
+    directory payloads may load from (see :func:`load_mod_from_payload`)."""
     resolved: list[Callable[..., Any]] = []
+    allowed = tuple(allowed_dirs or ())  # an iterator would be used up by the first payload
     for spec in specs or []:
         if isinstance(spec, (str, Path)):
             resolved.append(load_mod_from_path(spec))
         elif isinstance(spec, Mapping):
-            resolved.append(load_mod_from_payload(spec))
+            resolved.append(load_mod_from_payload(spec, allowed_dirs=allowed))
         elif callable(spec):
             if not _takes_event_and_tokenizer(spec):
                 raise ModLoadError(

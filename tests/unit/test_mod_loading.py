@@ -139,7 +139,8 @@ def test_serialize_mod_round_trips_through_the_inline_payload(tmp_path):
     payload["module"] = "roundtrip_inline"
     again = load_mod_from_payload(payload)
     assert again(Sampled("r", 0, 1)).tokens == [42]
-    assert "roundtrip_inline" in sys.modules
+    assert "roundtrip_inline" not in sys.modules, "a payload module must live in its private namespace"
+    assert any(name.endswith(".roundtrip_inline") for name in sys.modules)
 
 
 def test_resolve_mods_accepts_callables_paths_and_payloads(tmp_path):
@@ -184,7 +185,7 @@ def test_the_bundle_payload_form_round_trips():
 def test_the_directory_payload_form_finds_the_module_above_dir():
     payload = {"language": "python", "entrypoint": "greeter", "module": "examples.greeter.mod",
                "dir": str(GREETER.parent)}
-    loaded = load_mod_from_payload(payload)
+    loaded = load_mod_from_payload(payload, allowed_dirs=[GREETER.parent.parent.parent])
     assert isinstance(loaded(ForwardPass("dir", 0, None), _tok()), ForceTokens)
 
 
@@ -194,11 +195,15 @@ def test_the_directory_payload_form_finds_the_module_above_dir():
     ({"language": "python", "entrypoint": "m", "source": {"a.py": "x = 1"}, "module": "b"}, "has no module `b`"),
     ({"language": "python", "entrypoint": "m", "source": {"a.py": "import nope_nope"}, "module": "a"},
      "failed while loading"),
-    ({"language": "python", "entrypoint": "m", "dir": "/no/such/dir", "module": "a"}, "is not a directory"),
+    ({"language": "python", "entrypoint": "m", "dir": "{tmp}/no/such/dir", "module": "a"}, "is not a directory"),
+    ({"language": "python", "entrypoint": "m", "dir": "{tmp}", "module": "a"}, "was not found as a.py"),
+    ({"language": "python", "entrypoint": "m", "dir": "{tmp}", "module": "a/../b"}, "dotted name of identifiers"),
 ])
-def test_malformed_bundle_and_directory_payloads_are_clear(payload, message):
+def test_malformed_bundle_and_directory_payloads_are_clear(payload, message, tmp_path):
+    if "dir" in payload:
+        payload = {**payload, "dir": payload["dir"].replace("{tmp}", str(tmp_path))}
     with pytest.raises(ModPayloadError, match=message):
-        load_mod_from_payload(payload)
+        load_mod_from_payload(payload, allowed_dirs=[tmp_path])
 
 
 def _tok():
