@@ -37,20 +37,36 @@ class CapturedLog:
 
 
 class CaptureBuffer:
-    """Collects what one mod call printed or logged, in order."""
+    """Collects what one mod call printed or logged, in order.
+
+    :meth:`seal` stops collecting: a mod call abandoned after its time limit keeps running on its
+    own thread, and a mod stuck printing in a loop must not grow a buffer nobody reads any more.
+    """
 
     def __init__(self) -> None:
         self._parts: list[CapturedLog] = []
         self._stdout: list[str] = []
         self._stdout_started = 0.0
+        self._sealed = False
+
+    def seal(self) -> None:
+        """Drop everything written from now on (what was written so far stays readable)."""
+        self._sealed = True
+
+    def add(self, entry: CapturedLog) -> None:
+        """Append a line of the caller's own (e.g. why the call was abandoned), even when sealed."""
+        self._flush_stdout()
+        self._parts.append(entry)
 
     def write_stdout(self, text: str) -> None:
-        if text:
+        if text and not self._sealed:
             if not self._stdout:
                 self._stdout_started = time.time()
             self._stdout.append(text)
 
     def add_record(self, record: logging.LogRecord, message: str) -> None:
+        if self._sealed:
+            return
         self._flush_stdout()
         level = "ERROR" if record.levelno >= logging.ERROR else _LEVELS.get(record.levelno, "INFO")
         self._parts.append(CapturedLog(message, level, record.created))
