@@ -194,3 +194,91 @@ def test_tokenize_contract():
 
     with pytest.raises(RuntimeError, match="Tokenizer failed to encode text"):
         tokenize("x", Broken())
+
+
+# --------------------------------------------------------------------- values an action may carry
+
+VOCAB = 10
+
+
+def test_token_ids_are_ints_in_the_vocabulary():
+    from mods.validation import check_token_ids
+
+    assert check_token_ids([0, np.int64(3), np.array(9)], VOCAB) == [0, 3, 9]
+    assert check_token_ids(np.arange(3), VOCAB) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("ids,field,fragment", [
+    ([-1], "ForceTokens.tokens[0]", "must be a token id in [0, 10), got -1."),
+    ([1, VOCAB], "ForceTokens.tokens[1]", "must be a token id in [0, 10), got 10."),
+    ([2.0], "ForceTokens.tokens[0]", "must be an int token id, got 2.0."),
+    ([True], "ForceTokens.tokens[0]", "must be an int token id, got True."),
+    ("12", "ForceTokens.tokens", "must be a list of token ids, got '12'."),
+])
+def test_bad_token_ids_are_refused_naming_the_field(ids, field, fragment):
+    from mods.validation import InvalidActionValue, check_token_ids
+
+    with pytest.raises(InvalidActionValue) as info:
+        check_token_ids(ids, VOCAB, field="ForceTokens.tokens")
+    assert str(info.value) == f"`{field}` {fragment}"
+    assert info.value.parameter == field and isinstance(info.value, (InvalidActionError, ValueError))
+
+
+def test_finite_logits_with_some_masked_are_accepted():
+    from mods.validation import check_logits
+
+    logits = np.zeros((1, VOCAB), dtype=np.float32)
+    logits[0, 1:] = -np.inf
+    check_logits(logits, vocab=VOCAB)
+    check_logits(NumpyTensor(logits[0]))
+    check_logits(np.arange(VOCAB))  # integers are numbers too
+
+
+@pytest.mark.parametrize("make,fragment", [
+    (lambda a: a * np.nan, "must not contain NaN, got 10 NaN of 10 values."),
+    (lambda a: np.where(np.arange(VOCAB) == 3, np.nan, a), "must not contain NaN, got 1 NaN of 10 values."),
+    (lambda a: np.where(np.arange(VOCAB) == 3, np.inf, a), "must not contain +inf, got 1 of 10 values."),
+    (lambda a: a - np.inf, "must leave at least one finite logit, got -inf everywhere."),
+    (lambda a: a[:0].reshape(1, 0), "must not be empty, got shape [1, 0]."),
+    (lambda a: a[:5], "must have shape [10] or [1, 10], got [5]."),
+    (lambda a: np.array(["x"] * VOCAB), "must be an array of numbers, got dtype <U1."),
+])
+def test_logits_that_cannot_be_sampled_from_are_refused(make, fragment):
+    from mods.validation import InvalidActionValue, check_logits
+
+    with pytest.raises(InvalidActionValue) as info:
+        check_logits(make(np.zeros(VOCAB)), vocab=None if "empty" in fragment else VOCAB)
+    assert str(info.value) == f"`AdjustedLogits.logits` {fragment}"
+
+
+def test_token_temp_allows_none_zero_for_greedy_and_positive_numbers():
+    from mods.validation import check_token_temp
+
+    assert [check_token_temp(t) for t in (None, 0, 0.7, np.float32(2))] == [None, 0.0, 0.7, 2.0]
+
+
+@pytest.mark.parametrize("temp", [-0.5, float("nan"), float("inf"), "1", True])
+def test_bad_token_temp_is_refused(temp):
+    from mods.validation import InvalidActionValue, check_token_temp
+
+    with pytest.raises(InvalidActionValue, match=r"^`AdjustedLogits.token_temp` must be None"):
+        check_token_temp(temp)
+
+
+def test_check_action_values_checks_every_value_field_of_each_action():
+    from mods.validation import InvalidActionValue, check_action_values
+
+    for good in (ForceTokens([1]), ForceOutput([2]), AdjustedPrefill([3], 0), Backtrack(1), Backtrack(0, [4]),
+                 AdjustedLogits(np.zeros(VOCAB), 0), Noop(), EmitError("e"), ToolCalls({})):
+        check_action_values(good, VOCAB)
+    bad = {
+        ForceTokens([-1]): "ForceTokens.tokens[0]", ForceOutput([VOCAB]): "ForceOutput.tokens[0]",
+        AdjustedPrefill([-2], 0): "AdjustedPrefill.tokens[0]", Backtrack(-1): "Backtrack.n",
+        Backtrack(1, [-3]): "Backtrack.tokens[0]", AdjustedLogits(np.zeros(VOCAB), -1.0): "AdjustedLogits.token_temp",
+        AdjustedLogits(np.full(VOCAB, np.nan)): "AdjustedLogits.logits",
+    }
+    for action, field in bad.items():
+        with pytest.raises(InvalidActionValue) as info:
+            check_action_values(action, VOCAB)
+        assert info.value.parameter == field, action
+    check_action_values(AdjustedLogits(np.full(VOCAB, np.nan)), VOCAB, logits=False)  # checked elsewhere
