@@ -136,5 +136,6 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     first = errors[0] if errors else {}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
     shown = "nothing" if first.get("type") == "missing" else json.dumps(first.get("input"), default=str)[:80]
-    return ApiError(ErrorCode.INVALID_REQUEST, f"`{where}` {str(first.get('msg', 'is invalid')).lower()}, got {shown}.",
-                    where)
+    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return ApiError(ErrorCode.INVALID_REQUEST, f"`{where}` must be valid ({reason[:1].lower()}{reason[1:]}), got "
+                                               f"{shown}. See the OpenAPI document at /docs.", where)
