@@ -11,6 +11,8 @@ so commands that only read the store never import torch.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import os
 import types
 import typing
@@ -20,7 +22,7 @@ from typing import Any, Callable, Literal, Mapping
 
 import yaml
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, InvalidRequestError
 
 __all__ = [
     "BackendConfig",
@@ -35,6 +37,10 @@ __all__ = [
     "load_config",
     "default_config_path",
     "parse_bool",
+    "check_request_id",
+    "I32_MAX",
+    "SEED_MAX",
+    "REQUEST_ID_MAX_CHARS",
 ]
 
 DeviceName = str  # "auto" | "cpu" | "mps" | "cuda" | "cuda:N"
@@ -48,6 +54,44 @@ def _require(obj: Any, prefix: str, checks: list[tuple[str, bool, str]]) -> None
         if not ok:
             value = getattr(obj, name)
             raise ConfigError(f"`{prefix}{name}` must be {constraint}, got {value!r}", parameter=name, value=value)
+
+
+#: The ingest backend stores every integer as a 32-bit signed int and refuses larger ones.
+I32_MAX = 2**31 - 1
+#: ``torch.Generator.manual_seed`` takes at most 64 bits.
+SEED_MAX = 2**64 - 1
+#: The ingest backend's ``request_id`` column (VARCHAR(255)).
+REQUEST_ID_MAX_CHARS = 255
+#: Bounds of the mod-log limits: room for a truncation marker, and 8 M characters (up to 48 MiB
+#: once JSON-escaped) stays under the backend's 75 MiB body limit.
+MOD_LOG_MIN_CHARS = 256
+MOD_LOG_MAX_CHARS = 8 * 1024 * 1024
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_request_id(request_id: Any) -> str:
+    """``request_id`` if the ingest backend would store it, else :class:`InvalidRequestError`.
+
+    The backend keys requests by a string of at most 255 characters and answers a longer one with
+    HTTP 500, after the whole generation ran; checking it when the request arrives fails it at
+    once, with the fix. Returns the id unchanged.
+    """
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError(f"`request_id` must be a non-empty string, got {request_id!r}. "
+                                  "Omit it to get a generated one.", parameter="request_id", value=request_id)
+    if len(request_id) > REQUEST_ID_MAX_CHARS:
+        raise InvalidRequestError(
+            f"`request_id` must be at most {REQUEST_ID_MAX_CHARS} characters, got {len(request_id)} "
+            f"({request_id[:40]!r}…). Use a shorter id (the ingest backend stores at most {REQUEST_ID_MAX_CHARS}).",
+            parameter="request_id", value=request_id)
+    return request_id
 
 
 def _check_device(device: str) -> None:
@@ -110,12 +154,24 @@ class GenerationConfig:
     step_limit: int | None = None
 
     def __post_init__(self) -> None:
+        # Types first, so a string or a float from a JSON request gets our message, not a TypeError.
+        # Integers are bounded by the ingest schema (32-bit signed) and seeds by torch.Generator
+        # (64-bit unsigned); floats must be finite, since NaN compares false with every bound.
         _require(self, "", [
-            ("max_tokens", self.max_tokens >= 1, ">= 1"),
-            ("temperature", self.temperature >= 0, ">= 0 (0 is greedy)"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= 0, ">= 0 (0 disables top-k)"),
-            ("step_limit", self.step_limit is None or self.step_limit >= 1, ">= 1 or null"),
+            ("max_tokens", _is_int(self.max_tokens) and 1 <= self.max_tokens <= I32_MAX,
+             f">= 1 and <= {I32_MAX} (an integer)"),
+            ("temperature", _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+             ">= 0 and finite (0 is greedy)"),
+            ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and 0 <= self.top_k <= I32_MAX,
+             f">= 0 and <= {I32_MAX} (0 disables top-k)"),
+            ("step_limit", self.step_limit is None or (_is_int(self.step_limit) and 1 <= self.step_limit <= I32_MAX),
+             f">= 1 and <= {I32_MAX}, or null"),
+            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= SEED_MAX),
+             ">= 0 and <= 2**64 - 1 (64 bits), or null"),
+            ("stop_tokens", self.stop_tokens is None or (isinstance(self.stop_tokens, (tuple, list)) and all(
+                _is_int(t) and 0 <= t <= I32_MAX for t in self.stop_tokens)),
+             f"a list of token ids in [0, {I32_MAX}] or null"),
         ])
 
     @property
@@ -129,18 +185,37 @@ class IngestConfig:
 
     ``url`` None: payloads are built (``GenerationResult.payload``) but not sent. Failed sends
     are written to ``spool_dir`` and replayed later, never dropped.
+
+    ``mod_log_max_chars_per_call`` / ``mod_log_max_chars_per_request`` bound what mods printed or
+    logged in one payload. The backend refuses bodies over 75 MiB (HTTP 413), and one chatty mod
+    can print that much; past a limit the text is cut and a marker entry says how many characters
+    and entries were cut. Each log entry counts its message plus a fixed
+    ``MOD_LOG_ENTRY_OVERHEAD`` (its record's other fields), so a flood of empty lines is bounded
+    too. JSON escaping can grow a character to at most 6 bytes, so the defaults keep a payload's
+    logs under ~6 MiB.
     """
 
     url: str | None = None
     timeout_s: float = 5.0
     retries: int = 3
     spool_dir: str = "./artifacts/ingest-spool"
+    mod_log_max_chars_per_call: int = 16_384
+    mod_log_max_chars_per_request: int = 1_048_576
 
     def __post_init__(self) -> None:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"`ingest.url` must start with http:// or https://, got {self.url!r}",
                               parameter="url", value=self.url)
-        _require(self, "ingest.", [("timeout_s", self.timeout_s > 0, "> 0"), ("retries", self.retries >= 0, ">= 0")])
+        _require(self, "ingest.", [
+            ("timeout_s", self.timeout_s > 0, "> 0"), ("retries", self.retries >= 0, ">= 0"),
+            ("mod_log_max_chars_per_call", _is_int(self.mod_log_max_chars_per_call)
+             and MOD_LOG_MIN_CHARS <= self.mod_log_max_chars_per_call <= MOD_LOG_MAX_CHARS,
+             f"an integer in [{MOD_LOG_MIN_CHARS}, {MOD_LOG_MAX_CHARS}] (room for the truncation marker; "
+             "under the backend's 75 MiB body limit)"),
+            ("mod_log_max_chars_per_request", _is_int(self.mod_log_max_chars_per_request)
+             and self.mod_log_max_chars_per_call <= self.mod_log_max_chars_per_request <= MOD_LOG_MAX_CHARS,
+             f"an integer in [ingest.mod_log_max_chars_per_call, {MOD_LOG_MAX_CHARS}]"),
+        ])
 
 
 @dataclass(frozen=True)

@@ -90,11 +90,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos, request_id=args.request_id,
         )
+    from engine.services.strict_json import dumps  # no NaN/Infinity in what we print as JSON
+
     if args.json:
-        print(json.dumps({**result.to_dict(), "payload": result.payload}, indent=2))
+        print(dumps({**result.to_dict(), "payload": result.payload}, indent=2))
         return 0
     if result.tool_calls is not None:
-        print(json.dumps({"tool_calls": result.tool_calls}, indent=2))
+        print(dumps({"tool_calls": result.tool_calls}, indent=2))
     else:
         print(result.output_text)
     meta = result.metadata

@@ -9,14 +9,20 @@ response, for a person to look at. Nothing is dropped.
 
 Delivery is at-least-once: the backend upserts by ``request_id``, so a replay after an
 ambiguous failure is harmless.
+
+Spool file names are ``<readable part of the id>-<hash of the whole id>.json``: the readable part
+alone maps different ids to one file (``a/b`` and ``a_b``, or two long ids with one prefix), and
+one payload would overwrite the other. Bodies are strict JSON (:mod:`engine.services.strict_json`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +31,7 @@ from typing import Any
 import httpx
 
 from engine.config import IngestConfig
+from engine.services.strict_json import dumps
 
 __all__ = ["IngestClient", "Delivery", "spool_path"]
 
@@ -46,17 +53,21 @@ class Delivery:
 
 
 def spool_path(spool_dir: str | Path, request_id: str, *, rejected: bool = False) -> Path:
-    """The spool file of a request (request ids are sanitised; they are not trusted as paths)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)[:120] or "request"
+    """The spool file of a request: one file per request id, never shared by two ids. The id is
+    not trusted as a path: only ``[A-Za-z0-9._-]`` of it (at most 80 characters) is kept for
+    readers, and a hash of the whole id makes the name unique."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)[:80].lstrip(".") or "request"
+    digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     root = Path(spool_dir) / "rejected" if rejected else Path(spool_dir)
-    return root / f"{safe}.json"
+    return root / f"{safe}-{digest}.json"
 
 
 def _write_atomic(path: Path, payload: dict[str, Any], note: str | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # unique per writer (process and thread), so two writers never share a staging file
+    staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     body = payload if note is None else {"payload": payload, "rejected_because": note}
-    staging.write_text(json.dumps(body), encoding="utf-8")
+    staging.write_text(dumps(body), encoding="utf-8")
     staging.replace(path)
 
 
@@ -84,7 +95,7 @@ class IngestClient:
         for attempt in range(self.config.retries + 1):
             delay = min(_MAX_BACKOFF_S, 0.25 * 2**attempt)
             try:
-                response = self._client.post(self.config.url, content=json.dumps(payload))
+                response = self._client.post(self.config.url, content=dumps(payload))
             except httpx.TransportError as err:
                 status, error = None, f"{type(err).__name__}: {err}"
             else:
@@ -130,7 +141,7 @@ class IngestClient:
             elif retryable:
                 break
             else:
-                _write_atomic(spool_path(root, path.stem, rejected=True), payload, error)
+                _write_atomic(root / "rejected" / path.name, payload, error)  # keeps its unique name
                 path.unlink(missing_ok=True)
         remaining = len(list(root.glob("*.json"))) if root.is_dir() else 0
         return delivered, remaining

@@ -11,6 +11,15 @@ integers fit in 32 bits; ``token_text`` ≤ 100 characters; ``logits_shape`` is 
 
 Hidden states, attention patterns, layer and input ids never enter the payload.
 
+Mod output is bounded (``ingest.mod_log_max_chars_per_call`` and ``…_per_request``): the backend
+refuses bodies over 75 MiB with 413, and a mod printing every step can exceed that. Past a limit
+the text is cut and a WARNING entry in ``mod_logs`` says how much was cut and which limit did it;
+``inference_stats.mod_logs_cut`` holds the totals. Exception tracebacks count against the same
+budgets.
+
+Non-finite floats (a log-probability of ``-inf`` after a mod masked a token, a NaN temperature in
+an AdjustedLogits) become ``null``: JSON has no NaN, and the backend refuses a body that has one.
+
 Which mod calls are recorded: every call that returned a non-Noop action, printed or logged, or
 raised — the silent Noops (most calls) would only bloat the payload. Every non-Noop action is
 recorded, with ``details.applied`` and, when it was not applied, ``details.note`` saying why.
@@ -26,6 +35,8 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.config import IngestConfig
+from engine.services.strict_json import dumps, finite
 from mods.manager import ModCall
 from mods.types import (
     Added,
@@ -43,11 +54,14 @@ from mods.types import (
     ToolCalls,
 )
 
-__all__ = ["PayloadRecorder", "iso_time"]
+__all__ = ["PayloadRecorder", "iso_time", "MOD_LOG_ENTRY_OVERHEAD"]
 
 TOP_TOKENS = 20
 _INPUT_TEXT_CHARS = 70
 _TOKEN_TEXT_CHARS = 100
+#: Characters a mod-log entry costs besides its message (its record's other fields), so a mod
+#: writing many tiny entries is bounded by the same limits as one writing long ones.
+MOD_LOG_ENTRY_OVERHEAD = 128
 
 
 def iso_time(epoch: float) -> str:
@@ -77,8 +91,46 @@ class _PendingTexts:
                 target[key] = text[-shape:] if isinstance(shape, int) else text
 
 
+class _LogBudget:
+    """What is left of the per-request and per-call mod-log limits, and what was cut."""
+
+    def __init__(self, limits: IngestConfig) -> None:
+        self.per_call = limits.mod_log_max_chars_per_call
+        self.per_request = limits.mod_log_max_chars_per_request
+        self.request_left = self.per_request
+        self.cut_chars = 0
+        self.cut_entries = 0
+        self.request_cut_at: tuple[int, str] | None = None  # (call index, mod name) of the first cut by it
+
+    def take(self, text: str, call_left: int) -> tuple[str | None, int, bool]:
+        """→ (the text to keep or None, its cost, cut by the request limit rather than the call's)."""
+        cost = len(text) + MOD_LOG_ENTRY_OVERHEAD
+        allowed = min(call_left, self.request_left)
+        if cost <= allowed:
+            self.request_left -= cost
+            return text, cost, False
+        keep = allowed - MOD_LOG_ENTRY_OVERHEAD - 1  # room for the "…"
+        self.cut_chars += len(text) - max(keep, 0)
+        by_request = self.request_left < call_left
+        if keep <= 0:
+            self.cut_entries += 1
+            return None, 0, by_request
+        self.request_left -= allowed
+        return text[:keep] + "…", allowed, by_request
+
+
+def _cut_marker(chars: int, entries: int, scope: str, key: str, limit: int) -> str:
+    dropped = f" and {entries} entr{'y' if entries == 1 else 'ies'} dropped" if entries else ""
+    return (f"[raylens: {chars:,} characters of mod output cut{dropped} in this {scope}: it is over "
+            f"`ingest.{key}` = {limit:,}]")
+
+
 class PayloadRecorder:
-    def __init__(self, request_id: str, *, tokenizer: Any, request: dict[str, Any]) -> None:
+    """Builds one request's payload. ``limits``: the ``ingest`` config whose mod-log limits apply
+    (default: :class:`IngestConfig`'s defaults)."""
+
+    def __init__(self, request_id: str, *, tokenizer: Any, request: dict[str, Any],
+                 limits: IngestConfig | None = None) -> None:
         self.request_id = request_id
         self._tokenizer = tokenizer
         self._created = datetime.now(timezone.utc).timestamp()
@@ -90,6 +142,7 @@ class PayloadRecorder:
         self._actions: list[dict[str, Any]] = []
         self._texts = _PendingTexts()
         self._fed_upto: int | None = None
+        self._budget = _LogBudget(limits or IngestConfig())
 
     # ------------------------------------------------------------------------ during the loop
 
@@ -143,16 +196,60 @@ class PayloadRecorder:
                 "execution_time_ms": round(call.elapsed_ms, 4),
                 "exception_occurred": call.exception is not None,
             }
+            call_left = self._budget.per_call
             if call.exception is not None:
-                record["exception_message"] = f"{call.exception.type}: {call.exception.message}"
-                record["exception_traceback"] = call.exception.traceback
+                message, cost = self._bounded(f"{call.exception.type}: {call.exception.message}", index, call, call_left)
+                record["exception_message"] = message
+                call_left -= cost
+                traceback, cost = self._bounded(call.exception.traceback, index, call, call_left)
+                record["exception_traceback"] = traceback
+                call_left -= cost
             self._mod_calls.append(record)
-            for entry in call.logs:
-                self._mod_logs.append({"mod_call_sequence": index, "mod_name": call.mod_name[:255],
-                                       "log_message": entry.message, "log_level": entry.level,
-                                       "created_at": entry.created_at})
+            self._record_logs(index, call, call_left)
             indices.append(index)
         return indices
+
+    def _bounded(self, text: str | None, index: int, call: ModCall, call_left: int) -> tuple[str | None, int]:
+        """``text`` cut to what the budgets allow (a marker replaces all of it when nothing is left)."""
+        if not text:
+            return text, 0
+        budget = self._budget
+        kept, cost, by_request = budget.take(text, call_left)
+        if by_request and budget.request_cut_at is None:
+            budget.request_cut_at = (index, call.mod_name[:255])
+        if kept is None:
+            budget.cut_entries -= 1  # not a log entry: the field stays, with the marker
+            return f"[raylens: {len(text):,} characters cut; see the mod_logs marker]", 0
+        return kept, cost
+
+    def _record_logs(self, index: int, call: ModCall, call_left: int) -> None:
+        budget = self._budget
+        cut_chars, cut_entries = budget.cut_chars, budget.cut_entries
+        cut_by_call = False
+        for entry in call.logs:
+            kept, cost, by_request = budget.take(entry.message, call_left)
+            if kept != entry.message:
+                if by_request:
+                    if budget.request_cut_at is None:
+                        budget.request_cut_at = (index, call.mod_name[:255])
+                else:
+                    cut_by_call = True
+            if kept is None:
+                continue
+            call_left -= cost
+            self._mod_logs.append({"mod_call_sequence": index, "mod_name": call.mod_name[:255],
+                                   "log_message": kept, "log_level": entry.level, "created_at": entry.created_at})
+        if cut_by_call and budget.request_cut_at is None:
+            # one marker per call cut by its own limit; it is charged to the request's budget, so
+            # the markers are bounded too (once that is spent, build() adds the only other marker)
+            marker = _cut_marker(budget.cut_chars - cut_chars, budget.cut_entries - cut_entries, "mod call",
+                                 "mod_log_max_chars_per_call", budget.per_call)
+            cost = len(marker) + MOD_LOG_ENTRY_OVERHEAD
+            if cost <= budget.request_left:
+                budget.request_left -= cost
+                self._mod_logs.append({"mod_call_sequence": index, "mod_name": call.mod_name[:255],
+                                       "log_message": marker, "log_level": "WARNING",
+                                       "created_at": datetime.now(timezone.utc).timestamp()})
 
     def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None) -> None:
         if call_index is None:
@@ -193,7 +290,7 @@ class PayloadRecorder:
         elif isinstance(action, AdjustedLogits):
             shape = getattr(action.logits, "shape", None)
             record["logits_shape"] = f"[{', '.join(str(int(d)) for d in shape)}]" if shape is not None else None
-            record["temperature"] = None if action.token_temp is None else float(action.token_temp)
+            record["temperature"] = None if action.token_temp is None else finite(float(action.token_temp))
         elif isinstance(action, ToolCalls):
             record["has_tool_calls"] = bool(action.tool_calls)
             record["tool_calls"] = _jsonable(action.tool_calls)
@@ -209,7 +306,7 @@ class PayloadRecorder:
             values = torch.stack([v for _, v, _ in self._top]).cpu()  # one device→host copy
             indices = torch.stack([i for _, _, i in self._top]).cpu()
             for (record, _, _), row_v, row_i in zip(self._top, values.tolist(), indices.tolist()):
-                tops = [{"token": int(t), "logprob": float(lp)} for t, lp in zip(row_i, row_v)]
+                tops = [{"token": int(t), "logprob": finite(float(lp))} for t, lp in zip(row_i, row_v)]
                 record["top_tokens"] = tops
                 for entry in tops:
                     self._texts.add(entry, "token_str", [entry["token"]], _TOKEN_TEXT_CHARS)
@@ -219,6 +316,7 @@ class PayloadRecorder:
         for record in self._events:
             for entry in record.get("top_tokens", []):
                 entry["prob"] = _prob(entry["logprob"])
+        self._request_cut_marker()
         request = dict(self._request)
         request.update({
             "created_at": iso_time(self._created),
@@ -229,6 +327,9 @@ class PayloadRecorder:
             "inference_stats": {"prompt_tokens": prompt_tokens, "generated_tokens": len(final_ids),
                                 "total_tokens": prompt_tokens + len(final_ids)},
         })
+        if self._budget.cut_chars or self._budget.cut_entries:
+            request["inference_stats"]["mod_logs_cut"] = {"characters": self._budget.cut_chars,
+                                                          "entries": self._budget.cut_entries}
         request.update(extra or {})
         return {
             "request": request,
@@ -237,6 +338,19 @@ class PayloadRecorder:
             "mod_logs": [_with_iso(r) for r in self._mod_logs],
             "actions": [_with_iso(r) for r in self._actions],
         }
+
+
+    def _request_cut_marker(self) -> None:
+        """The one marker for everything the per-request limit cut (it is not charged: there is one)."""
+        budget = self._budget
+        if budget.request_cut_at is None:
+            return
+        index, mod = budget.request_cut_at
+        marker = _cut_marker(budget.cut_chars, budget.cut_entries, "request", "mod_log_max_chars_per_request",
+                             budget.per_request)
+        self._mod_logs.append({"mod_call_sequence": index, "mod_name": mod, "log_message": marker,
+                               "log_level": "WARNING", "created_at": datetime.now(timezone.utc).timestamp()})
+        budget.request_cut_at = None
 
 
 def _with_iso(record: dict[str, Any]) -> dict[str, Any]:
@@ -250,12 +364,13 @@ def _i32(value: Any) -> int:
     return max(-(2**31), min(2**31 - 1, int(value or 0)))
 
 
-def _prob(logprob: float) -> float:
-    return math.exp(logprob) if logprob > -700 else 0.0
+def _prob(logprob: float | None) -> float:
+    return math.exp(logprob) if logprob is not None and logprob > -700 else 0.0
 
 
 def _jsonable(value: Any) -> Any:
+    """A mod's value as plain JSON data (non-finite floats → null; unknown objects → str)."""
     try:
-        return json.loads(json.dumps(value))
+        return json.loads(dumps(value))
     except (TypeError, ValueError):
-        return json.loads(json.dumps(value, default=str))
+        return json.loads(dumps(value, default=str))

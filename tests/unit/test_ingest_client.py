@@ -64,3 +64,47 @@ def test_a_rejected_payload_is_kept_for_inspection(tmp_path):
     assert not result.delivered and "rejected" in result.spooled_to
     kept = json.loads(open(result.spooled_to).read())
     assert "Invalid mod_call_sequence" in kept["rejected_because"] and kept["payload"]["request"]["request_id"] == "bad"
+
+
+def test_request_ids_that_sanitise_alike_get_their_own_spool_files(tmp_path):
+    # `a/b` and `a_b` read the same once made path-safe, and so do two long ids with one prefix
+    long_a, long_b = "x" * 200 + "-a", "x" * 200 + "-b"
+    ids = ["a/b", "a_b", "a:b", long_a, long_b]
+    assert len({spool_path(tmp_path, rid) for rid in ids}) == len(ids)
+    up = {"value": False}
+    delivered = []
+
+    def handler(request):
+        if not up["value"]:
+            raise httpx.ConnectError("refused")
+        delivered.append(json.loads(request.content)["request"]["request_id"])
+        return httpx.Response(201)
+
+    with client(tmp_path, handler, retries=0) as c:
+        for rid in ids:
+            assert not c.send(payload(rid)).delivered
+        assert len(list((tmp_path / "spool").glob("*.json"))) == len(ids)  # none overwrote another
+        up["value"] = True
+        assert c.replay_spool() == (len(ids), 0)
+    assert sorted(delivered) == sorted(ids)
+
+
+def test_a_payload_with_nan_is_sent_and_spooled_as_strict_json(tmp_path):
+    bodies = []
+
+    def handler(request):
+        bodies.append(request.content)
+        return httpx.Response(503)
+
+    body = payload("nan")
+    body["events"] = [{"event_type": "ForwardPass", "step": 1, "sequence_order": 0,
+                       "top_tokens": [{"token": 3, "logprob": float("-inf"), "prob": 0.0}]}]
+    with client(tmp_path, handler, retries=0) as c:
+        result = c.send(body)
+
+    def refuse(name):
+        raise AssertionError(f"{name} written as JSON")
+
+    sent = json.loads(bodies[0], parse_constant=refuse)
+    spooled = json.loads(open(result.spooled_to).read(), parse_constant=refuse)
+    assert sent["events"][0]["top_tokens"][0]["logprob"] is None and spooled == sent
