@@ -157,18 +157,18 @@ class GenerationConfig:
         # Types first, so a string or a float from a JSON request gets our message, not a TypeError.
         # Integers are bounded by the ingest schema (32-bit signed) and seeds by torch.Generator
         # (64-bit unsigned); floats must be finite, since NaN compares false with every bound.
+        max_tokens, top_k, step_limit, seed = self.max_tokens, self.top_k, self.step_limit, self.seed
         _require(self, "", [
-            ("max_tokens", _is_int(self.max_tokens) and 1 <= self.max_tokens <= I32_MAX,
-             f">= 1 and <= {I32_MAX} (an integer)"),
+            ("max_tokens", _is_int(max_tokens), "an integer"),
+            ("max_tokens", not _is_int(max_tokens) or max_tokens >= 1, ">= 1"),
+            ("max_tokens", not _is_int(max_tokens) or max_tokens <= I32_MAX, f"<= {I32_MAX} (32 bits)"),
             ("temperature", _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
              ">= 0 and finite (0 is greedy)"),
             ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and 0 <= self.top_k <= I32_MAX,
-             f">= 0 and <= {I32_MAX} (0 disables top-k)"),
-            ("step_limit", self.step_limit is None or (_is_int(self.step_limit) and 1 <= self.step_limit <= I32_MAX),
+            ("top_k", _is_int(top_k) and 0 <= top_k <= I32_MAX, f">= 0 and <= {I32_MAX} (0 disables top-k)"),
+            ("step_limit", step_limit is None or (_is_int(step_limit) and 1 <= step_limit <= I32_MAX),
              f">= 1 and <= {I32_MAX}, or null"),
-            ("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= SEED_MAX),
-             ">= 0 and <= 2**64 - 1 (64 bits), or null"),
+            ("seed", seed is None or (_is_int(seed) and 0 <= seed <= SEED_MAX), ">= 0 and <= 2**64 - 1 (64 bits), or null"),
             ("stop_tokens", self.stop_tokens is None or (isinstance(self.stop_tokens, (tuple, list)) and all(
                 _is_int(t) and 0 <= t <= I32_MAX for t in self.stop_tokens)),
              f"a list of token ids in [0, {I32_MAX}] or null"),
