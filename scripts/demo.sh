@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # keep the demo's Ray instance on loopback
+export RAY_USAGE_STATS_ENABLED=0           # and do not report usage statistics from it
 BIN=.venv/bin
 echo "== raylens generate (in-process, SAE nearline, legacy mod file) =="
 $BIN/raylens generate --prompt "What is the capital of France?" --max-tokens 32 --temperature 0 \

@@ -14,6 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray on Linux swaps 127.0.0.1 for the machine's outward IP when it connects; this flag (read
 # when ray is imported) keeps every Ray address and listener on loopback, as tests must.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# No Ray started by a test (a head, a job's own cluster, `ray.init()`) reports usage statistics.
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
 def _ray_token_for_tests() -> None:

@@ -74,3 +74,135 @@ def test_the_packaged_schema_matches_the_shared_one():
     if not shared.exists():
         pytest.skip("shared/docs is not beside this checkout")
     assert ingest_payload_schema() == json.loads(shared.read_text())
+
+
+# ----------------------------------------------------------------------- hostile or broken clients
+
+
+def _address(srv: IngestServer) -> tuple[str, int]:
+    host, port = srv.url.split("//")[1].split("/")[0].split(":")
+    return host, int(port)
+
+
+def _raw(srv: IngestServer, request: bytes, *, timeout: float = 30.0) -> tuple[int, bytes]:
+    """Send raw bytes on a fresh connection → (status, body); the server must answer, not hang up."""
+    import socket
+
+    with socket.create_connection(_address(srv), timeout=timeout) as sock:
+        sock.sendall(request)
+        return _read_response(sock)
+
+
+def _read_response(sock) -> tuple[int, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection without an answer (got {data!r})"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next((line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), b"0"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-answer"
+        body += chunk
+    return int(head.split(b" ")[1]), body
+
+
+def _post_bytes(body: bytes, *, length: str | None = None) -> bytes:
+    return (b"POST /v1/ingest HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body) if length is None else length}\r\n".encode()
+            + b"Connection: close\r\n\r\n" + body)
+
+
+def test_a_burst_of_connections_waits_in_the_backlog_and_every_post_is_answered(tmp_path):
+    import socket
+
+    burst = 64
+    srv = IngestServer(tmp_path / "ingest.duckdb", port=0)  # listening, not yet accepting: all must queue
+    sockets = []
+    try:
+        for i in range(burst):
+            sock = socket.socket()
+            sock.settimeout(5)
+            try:
+                sock.connect(_address(srv))
+            except OSError as err:
+                sock.close()
+                pytest.fail(f"connection {i + 1} of a burst of {burst} was not queued ({err!r}): the listen "
+                            "backlog is too small (ingest_server.LISTEN_BACKLOG)")
+            sockets.append(sock)
+        srv.start()
+        for i, sock in enumerate(sockets):
+            sock.settimeout(30)
+            sock.sendall(_post_bytes(json.dumps(payload(f"burst-{i}")).encode()))
+        statuses = [_read_response(sock)[0] for sock in sockets]
+        assert statuses == [201] * burst
+        with httpx.Client(timeout=10) as client:
+            assert client.get(srv.url).json()["count"] == burst
+    finally:
+        for sock in sockets:
+            sock.close()
+        srv.stop()
+
+
+def test_concurrent_posts_are_all_stored(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with httpx.Client(timeout=30, limits=httpx.Limits(max_connections=64)) as client:  # 64 connections at once
+        with ThreadPoolExecutor(max_workers=64) as pool:
+            statuses = list(pool.map(lambda i: client.post(server.url, json=payload(f"c-{i}")).status_code,
+                                     range(64)))
+        assert statuses == [201] * 64
+        assert client.get(server.url).json()["count"] == 64
+
+
+@pytest.mark.parametrize("partial", [
+    b"POST /v1/ingest HTTP/1.1\r\nHost: test\r\n",  # stalls in the headers
+    _post_bytes(b'{"request": ', length="100")[:-1],  # stalls in the body
+])
+def test_a_stalled_client_is_dropped_after_the_read_timeout_and_others_are_served(tmp_path, partial):
+    import socket
+
+    srv = IngestServer(tmp_path / "ingest.duckdb", port=0, read_timeout_s=0.5).start()
+    try:
+        with socket.create_connection(_address(srv), timeout=30) as stalled:
+            stalled.sendall(partial)
+            with httpx.Client(timeout=10) as client:  # served while the stalled client holds its thread
+                assert client.post(srv.url, json=payload("meanwhile")).status_code == 201
+            try:
+                closed = stalled.recv(1024) == b""
+            except ConnectionResetError:
+                closed = True
+            except socket.timeout:
+                pytest.fail("the server kept a stalled client for 30 s; its read timeout is 0.5 s")
+            assert closed
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("request_bytes,status,message", [
+    (_post_bytes(b"{}", length="abc"), 400, "Content-Length must be a non-negative integer"),
+    (_post_bytes(b"{}", length="-5"), 400, "Content-Length must be a non-negative integer"),
+    (b"POST /v1/ingest HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n", 411,
+     "Content-Length is required"),
+    (_post_bytes(b"[" * 100_000 + b"]" * 100_000), 400, "nesting deeper than 128"),
+    (_post_bytes(b'{"request": {"request_id": "n", "x": ' + b"[" * 200 + b"]" * 200 + b"}}"), 400,
+     "nesting deeper than 128"),
+    (_post_bytes(json.dumps(payload("nan", events=[{"event_type": "Prefilled", "step": 0, "sequence_order": 0,
+                                                    "details": {"v": float("nan")}}])).encode()), 400,
+     "NaN is not JSON"),
+    (_post_bytes(b'{"request": {"request_id": "inf", "temperature": Infinity}}'), 400, "Infinity is not JSON"),
+    (_post_bytes(b'{"request": {"request_id": "big", "temperature": 1e999}}'), 400, "out of range"),
+])
+def test_malformed_bodies_get_a_4xx_not_a_closed_connection(server, request_bytes, status, message):
+    got, body = _raw(server, request_bytes)
+    assert got == status and message in json.loads(body)["error"], (got, body[:200])
+
+
+def test_nesting_within_the_backends_limit_is_accepted(server):
+    # positive control for the nesting bound: 100 levels in a free-form field are fine
+    deep = payload("deep", events=[{"event_type": "Prefilled", "step": 0, "sequence_order": 0,
+                                    "details": json.loads("[" * 100 + "]" * 100)}])
+    got, body = _raw(server, _post_bytes(json.dumps(deep).encode()))
+    assert got == 201, body
