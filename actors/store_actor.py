@@ -14,6 +14,7 @@ import ray
 
 from engine.services import queries
 from engine.config import ActivationsConfig
+from engine.errors import InvalidRequestError
 from engine.services.store import ActivationStore, RequestRecord
 
 from .versioning import code_version
@@ -58,11 +59,18 @@ class StoreActor:
         return self.store.counts()
 
     def query(self, name: str, *args: Any, **kwargs: Any) -> pa.Table:
+        """One of the store queries by name (``raylens query`` comes here while this actor holds
+        the file); an unknown name is an error listing the known ones."""
+        if name not in _QUERIES:
+            raise InvalidRequestError(f"`name` must be one of {', '.join(sorted(_QUERIES))}, got {name!r}",
+                                      parameter="name", value=name)
         return _QUERIES[name](self.store, *args, **kwargs)
 
     def sql(self, statement: str, params: list[Any] | None = None) -> list[tuple]:
-        """Read-only inspection for status and tests (the caller writes the SQL)."""
-        return self.store.cursor().execute(statement, params or []).fetchall()
+        """Read-only inspection for status and tests (the caller writes the SQL): exactly one
+        SELECT, run in a transaction that is always rolled back; anything else is refused
+        (``ActivationStore.read_sql``)."""
+        return self.store.read_sql(statement, params)
 
     def export_parquet(self, directory: str | None = None) -> dict[str, Any]:
         result = self.store.export_parquet(directory)

@@ -1,12 +1,21 @@
 """``raylens query …``, ``raylens store …`` and ``raylens train-sae``: the activation store from
-the command line. Queries open the store read-only, so they work beside nothing else writing it
-(a running writer holds DuckDB's lock; the message says so)."""
+the command line.
+
+Queries open the store read-only. DuckDB lets one process hold a file for writing and then no
+other process may open it, even read-only; when the holder is raylens' StoreActor (a Ray
+deployment), the query is sent to that actor instead (``ray.address`` of the config). Any other
+holder gets an error naming the process.
+
+Housekeeping never creates a store: ``store retention``/``export`` on a path with no store is an
+error, not a new empty file. ``store info`` reads every block, so DuckDB's checksums find a damaged
+file (``--quick`` skips that).
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 from typing import Any
 
 __all__ = ["add_commands", "format_table"]
@@ -29,7 +38,9 @@ def _cell(value: Any, max_width: int) -> str:
     if isinstance(value, float):
         text = f"{value:.4f}"
     elif isinstance(value, list):
-        text = json.dumps(value)
+        from engine.services.strict_json import dumps
+
+        text = dumps(value, default=str)
     else:
         text = str(value)
     text = text.replace("\n", "\\n")
@@ -37,19 +48,21 @@ def _cell(value: Any, max_width: int) -> str:
 
 
 def _print(table: Any, as_json: bool) -> None:
+    from engine.services.strict_json import dumps
+
     if as_json:
         for row in table.to_pylist():
-            print(json.dumps(row, default=str))
+            print(dumps(row, default=str))
     else:
         print(format_table(table))
 
 
-def _open(args: argparse.Namespace, *, read_only: bool = True):
+def _open(args: argparse.Namespace, *, read_only: bool = True, create: bool = False):
     from engine.config import load_config
     from engine.services.store import ActivationStore
 
     cfg = load_config(args.config)
-    return cfg, ActivationStore.from_config(cfg.activations, read_only=read_only)
+    return cfg, ActivationStore.from_config(cfg.activations, read_only=read_only, create=create)
 
 
 def _tokenizer(cfg: Any) -> Any | None:
@@ -69,28 +82,111 @@ def _tokenizer(cfg: Any) -> Any | None:
 # ---------------------------------------------------------------------------------------- query
 
 
-def _cmd_query(args: argparse.Namespace) -> int:
+def _query_call(args: argparse.Namespace) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """The query function's name and arguments, checked here so a bad value fails before any
+    store or cluster is touched."""
     from engine.services import queries
 
-    cfg, store = _open(args)
-    with store:
-        if args.what == "top":
-            table = queries.top_features(store, args.request_id, step=args.step, limit=args.limit)
-        elif args.what == "deltas":
-            table = queries.feature_deltas(store, args.request_id, args.feature)
-        elif args.what == "threshold":
-            since = queries.parse_since(args.since) if args.since else None
-            table = queries.threshold_search(store, args.feature, args.min, since=since, limit=args.limit)
-        elif args.what == "tokens":
-            table = queries.top_activating_tokens(store, args.feature, limit=args.limit, context=args.context)
-        else:
-            return _explain(cfg, store, args)
-        if args.what in ("deltas", "threshold", "tokens") and not args.ids_only:
-            tokenizer = _tokenizer(cfg)
-            if tokenizer is not None:
-                table = queries.decode_tokens(table, tokenizer)
+    check = queries.check_int
+    if args.what == "top":
+        if args.step is not None:
+            check("step", args.step, 0)
+        return "top_features", (args.request_id,), {"step": args.step, "limit": check("limit", args.limit, 1)}
+    if args.what == "deltas":
+        return "feature_deltas", (args.request_id, check("feature", args.feature, 0)), {}
+    if args.what == "threshold":
+        since = queries.parse_since(args.since) if args.since else None
+        return "threshold_search", (check("feature", args.feature, 0), args.min), {
+            "since": since, "limit": check("limit", args.limit, 1)}
+    return "top_activating_tokens", (check("feature", args.feature, 0),), {
+        "limit": check("limit", args.limit, 1), "context": check("context", args.context, 0)}
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    from engine.config import load_config
+    from engine.services import queries
+    from engine.services.store import ActivationStore, StoreLockedError
+
+    name, call_args, call_kwargs = _query_call(args)
+    cfg = load_config(args.config)
+    try:
+        store = ActivationStore.from_config(cfg.activations, read_only=True)
+    except StoreLockedError as locked:
+        table = query_through_store_actor(cfg, locked, name, call_args, call_kwargs)
+    else:
+        with store:
+            table = getattr(queries, name)(store, *call_args, **call_kwargs)
+    if args.what in ("deltas", "threshold", "tokens") and not args.ids_only:
+        tokenizer = _tokenizer(cfg)
+        if tokenizer is not None:
+            table = queries.decode_tokens(table, tokenizer)
     _print(table, args.json)
     return 0
+
+
+def query_through_store_actor(cfg: Any, locked: Exception, name: str, call_args: tuple[Any, ...],
+                              call_kwargs: dict[str, Any]) -> Any:
+    """Run query ``name`` on the StoreActor that holds ``cfg``'s store; when there is none (or no
+    cluster), raise ``locked`` with what to do."""
+    from engine.errors import RaylensError
+    from engine.services.store import StoreLockedError
+
+    from .ray_commands import prepare_ray_env
+
+    prepare_ray_env()
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    from .topology import connect
+
+    db_path = str(Path(cfg.activations.db_path).resolve())
+    how = (f"stop the process that holds it, or run the query where raylens' Ray cluster runs "
+           f"(ray.address = {cfg.ray.address}, namespace {cfg.ray.namespace})")
+    owned = not ray.is_initialized()  # leave a caller's own Ray connection as it was
+    try:
+        connect(cfg)
+    except RaylensError as err:
+        raise StoreLockedError(f"{locked}. No Ray cluster to ask instead ({err}); {how}") from None
+    try:
+        handle = _store_actor_for(cfg, db_path)
+        if handle is None:
+            raise StoreLockedError(f"{locked}. No raylens StoreActor in namespace {cfg.ray.namespace} holds "
+                                   f"`{db_path}`; {how}")
+        return ray.get(handle.query.remote(name, *call_args, **call_kwargs), timeout=cfg.ray.call_timeout_s)
+    except RayTaskError as err:  # the query's own error (bad argument, schema), raised in the actor
+        if isinstance(err.cause, RaylensError):
+            raise err.cause from None
+        raise
+    except (GetTimeoutError, RayActorError) as err:
+        raise StoreLockedError(f"the StoreActor holding `{db_path}` did not answer within ray.call_timeout_s = "
+                               f"{cfg.ray.call_timeout_s} s ({type(err).__name__}); see `raylens status`") from None
+    finally:
+        if owned:
+            ray.shutdown()
+
+
+def _store_actor_for(cfg: Any, db_path: str) -> Any | None:
+    """The StoreActor whose DuckDB file is ``db_path``: the one this config names first, else any
+    raylens StoreActor in the namespace that reports that file (one built with other settings)."""
+    import ray
+
+    from .topology import STORE, actor_roles
+
+    namespace = cfg.ray.namespace
+    names = [actor_roles(cfg)[STORE]]
+    names += sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a.get("namespace") == namespace and a["name"].startswith(f"{STORE}-") and a["name"] not in names)
+    for name in names:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+            rows = ray.get(handle.sql.remote(
+                "SELECT path FROM duckdb_databases() WHERE database_name = current_database()"),
+                timeout=cfg.ray.call_timeout_s)
+        except (ValueError, ray.exceptions.RayError):
+            continue  # gone meanwhile, or not answering
+        if rows and str(Path(rows[0][0]).resolve()) == db_path:
+            return handle
+    return None
 
 
 def _explain(cfg: Any, store: Any, args: argparse.Namespace) -> int:
@@ -153,6 +249,10 @@ def _add_query(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
+    from engine.services.queries import check_int
+
+    for feature in args.feature_ids:
+        check_int("feature", feature, 0)
     cfg, store = _open(args, read_only=False)  # writes the cache
     with store:
         return _explain(cfg, store, args)
@@ -162,11 +262,20 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
-    cfg, store = _open(args, read_only=args.action == "info")
+    from engine.services.queries import check_int
+    from engine.services.store import MAX_AGE_DAYS
+    from engine.services.strict_json import dumps
+
+    if args.action == "retention" and args.days is not None:
+        check_int("days", args.days, 1, MAX_AGE_DAYS)
+    # retention writes; info and export only read, so they work beside a reader
+    cfg, store = _open(args, read_only=args.action != "retention")
     with store:
         if args.action == "info":
-            print(json.dumps({"db_path": str(store.db_path), "schema_version": store.schema_version(),
-                              **store.counts()}, indent=2))
+            if not args.quick:
+                store.verify()  # raises StoreCorruptError (exit 2) naming the damaged table
+            print(dumps({"db_path": str(store.db_path), "schema_version": store.schema_version(),
+                         "integrity": "not checked (--quick)" if args.quick else "ok", **store.counts()}, indent=2))
         elif args.action == "export":
             result = store.export_parquet(args.out)
             print(f"exported {result.rows} rows to {result.directory} ({len(result.files)} files, by date)")
@@ -186,6 +295,8 @@ def _add_store(sub: argparse._SubParsersAction) -> None:
                             ("retention", "delete rows older than the retention period and shrink the file")):
         a = acts.add_parser(name, help=help_text)
         a.add_argument("--config")
+        if name == "info":
+            a.add_argument("--quick", action="store_true", help="skip reading every block (DuckDB's checksums)")
         if name == "export":
             a.add_argument("--out", help="directory (default: activations.parquet_path)")
         if name == "retention":

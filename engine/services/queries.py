@@ -2,11 +2,17 @@
 
 All SQL binds its parameters. ``output="pandas"`` / ``"polars"`` converts the result when that
 library is installed. Token ids come back as ids; :func:`decode_tokens` adds text when a
-tokenizer is at hand.
+tokenizer is at hand. No matching rows is an answer: an empty table with the same columns.
+
+Arguments are checked before any SQL runs, against the columns' types (ids and steps are 32-bit
+integers), so an out-of-range value is an :class:`InvalidRequestError` naming the argument
+instead of a DuckDB conversion error.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
@@ -15,7 +21,7 @@ import duckdb
 import pyarrow as pa
 
 from engine.errors import InvalidRequestError
-from engine.services.store import ActivationStore, StoreSchemaError
+from engine.services.store import MAX_AGE_DAYS, ActivationStore, StoreSchemaError
 
 __all__ = [
     "feature_deltas",
@@ -24,9 +30,26 @@ __all__ = [
     "top_activating_tokens",
     "decode_tokens",
     "parse_since",
+    "check_int",
 ]
 
 Output = Literal["arrow", "pandas", "polars"]
+
+_I32_MAX = 2**31 - 1
+
+
+def check_int(name: str, value: Any, low: int, high: int = _I32_MAX) -> int:
+    """``value`` if it is an integer in ``[low, high]``, else :class:`InvalidRequestError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+        raise InvalidRequestError(f"`{name}` must be an integer in [{low}, {high}], got {value!r}", parameter=name,
+                                  value=value)
+    return int(value)
+
+
+def _check_since(since: timedelta | None) -> None:
+    if since is not None and not timedelta(0) < since <= timedelta(days=MAX_AGE_DAYS):
+        raise InvalidRequestError(f"`since` must be more than 0 and at most {MAX_AGE_DAYS} days, got {since}",
+                                  parameter="since", value=since)
 
 
 def _run(store: ActivationStore, sql: str, params: list[Any], output: Output) -> Any:
@@ -63,12 +86,19 @@ def feature_deltas(store: ActivationStore, request_id: str, feature_id: int, *, 
         FROM tokens t LEFT JOIN hits h USING (step, token_position)
         ORDER BY t.step, t.token_position
     """
+    check_int("feature", feature_id, 0)
     return _run(store, sql, [request_id, request_id, feature_id], output)
 
 
 def threshold_search(store: ActivationStore, feature_id: int, min_value: float, *, since: timedelta | None = None,
                      limit: int = 1000, output: Output = "arrow") -> Any:
     """Every request/step, across runs, where ``feature_id`` fired at ``min_value`` or more."""
+    check_int("feature", feature_id, 0)
+    check_int("limit", limit, 1)
+    _check_since(since)
+    if isinstance(min_value, bool) or not isinstance(min_value, numbers.Real) or not math.isfinite(min_value):
+        raise InvalidRequestError(f"`min` must be a finite number, got {min_value!r}", parameter="min",
+                                  value=min_value)
     cutoff = datetime.now(timezone.utc) - since if since is not None else datetime(1970, 1, 1, tzinfo=timezone.utc)
     sql = """
         SELECT request_id, step, token_position, token_id, activation_value, rank, created_at, model_id, sae_release
@@ -93,6 +123,9 @@ def top_features(store: ActivationStore, request_id: str, *, step: int | None = 
         ORDER BY max_activation DESC, feature_id
         LIMIT ?
     """
+    if step is not None:
+        check_int("step", step, 0)
+    check_int("limit", limit, 1)
     return _run(store, sql, [request_id, step, step, limit], output)
 
 
@@ -113,17 +146,25 @@ def top_activating_tokens(store: ActivationStore, feature_id: int, *, limit: int
         FROM best b LEFT JOIN requests r USING (request_id)
         ORDER BY b.activation_value DESC
     """
+    check_int("feature", feature_id, 0)
+    check_int("limit", limit, 1)
+    check_int("context", context, 0)
     return _run(store, sql, [feature_id, limit, context], output)
+
+
+def _decode(tokenizer: Any, batch: list[list[int]]) -> pa.Array:
+    # never an empty batch: HF tokenizers decode [] as one empty string, one row too many
+    return pa.array(tokenizer.batch_decode(batch) if batch else [], pa.string())
 
 
 def decode_tokens(table: pa.Table, tokenizer: Any) -> pa.Table:
     """Add ``token`` (and ``context`` when ``context_ids`` is present) text columns."""
     if "token_id" in table.column_names:
         ids = table.column("token_id").to_pylist()
-        table = table.append_column("token", pa.array(tokenizer.batch_decode([[i] for i in ids]), pa.string()))
+        table = table.append_column("token", _decode(tokenizer, [[i] for i in ids]))
     if "context_ids" in table.column_names:
         contexts = [ids or [] for ids in table.column("context_ids").to_pylist()]
-        table = table.append_column("context", pa.array(tokenizer.batch_decode(contexts), pa.string()))
+        table = table.append_column("context", _decode(tokenizer, contexts))
     return table
 
 
@@ -132,9 +173,14 @@ _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks
 
 
 def parse_since(text: str) -> timedelta:
-    """``7d``, ``12h``, ``30m``, ``45s``, ``2w`` → timedelta."""
+    """``7d``, ``12h``, ``30m``, ``45s``, ``2w`` → timedelta (more than 0, at most ``MAX_AGE_DAYS``)."""
     match = _SINCE.match(text.strip().lower())
     if not match:
         raise InvalidRequestError(f"`since` must look like 7d, 12h, 30m, 45s or 2w, got {text!r}",
                                   parameter="since", value=text)
-    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    amount, unit = match.group(1), _UNITS[match.group(2)]
+    limit = {"seconds": 86400, "minutes": 1440, "hours": 24, "days": 1, "weeks": 1 / 7}[unit] * MAX_AGE_DAYS
+    if len(amount) > 12 or not 0 < int(amount) <= limit:
+        raise InvalidRequestError(f"`since` must be more than 0 and at most {MAX_AGE_DAYS}d, got {text!r}",
+                                  parameter="since", value=text)
+    return timedelta(**{unit: int(amount)})

@@ -12,6 +12,15 @@ id again is a no-op (retries are safe).
 
 Retention deletes rows older than N days. DuckDB reuses freed blocks but never shrinks the file,
 so retention then compacts: it copies the live data into a fresh file and swaps it in.
+
+Integrity: DuckDB checksums every block, but checks a block only when it reads it, and opening a
+file or counting rows reads almost none — a damaged file looks healthy until a query touches the
+damaged block. :meth:`ActivationStore.verify` reads every column of every table, so DuckDB's own
+checksums run over the whole file.
+
+:meth:`ActivationStore.read_sql` runs caller-written SQL read-only: only statements DuckDB's parser
+types as SELECT, in a transaction that is always rolled back (a SELECT can still write, through a
+data-modifying CTE such as ``WITH d AS (DELETE … RETURNING *) SELECT …``).
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ __all__ = [
     "StoreLockedError",
     "StoreNotFoundError",
     "StoreSchemaError",
+    "StoreCorruptError",
+    "MAX_AGE_DAYS",
     "RequestRecord",
     "RetentionResult",
     "ExportResult",
@@ -59,6 +70,18 @@ class StoreNotFoundError(StoreError):
 
 class StoreSchemaError(StoreError):
     """The store lacks a table or is newer than this code."""
+
+
+class StoreCorruptError(StoreError):
+    """The file is not a DuckDB database, or a block fails DuckDB's checksum. Not recoverable in
+    place: restore a copy or a Parquet export, or move the file aside to start a new store."""
+
+
+#: The longest age a retention period or ``since`` may name (100 years); beyond it dates overflow.
+MAX_AGE_DAYS = 36_500
+
+_CORRUPT_HINT = ("restore it from a copy or a Parquet export (raylens store export), or move it aside to "
+                 "start a new store")
 
 
 @dataclass(frozen=True)
@@ -104,11 +127,15 @@ def _sql_string(text: str) -> str:
 
 
 class ActivationStore:
+    """``create=False``: the file must exist (housekeeping on a mistyped path must not create a
+    new, empty store and report success on it)."""
+
     def __init__(self, db_path: str | Path, parquet_path: str | Path | None = None, *, read_only: bool = False,
-                 threads: int = 2, memory_limit: str = "1GB") -> None:
+                 threads: int = 2, memory_limit: str = "1GB", create: bool = True) -> None:
         self.db_path = Path(db_path)
         self.parquet_path = Path(parquet_path) if parquet_path is not None else self.db_path.parent / "parquet"
         self.read_only = read_only
+        self.create = create and not read_only
         self._settings = {"threads": threads, "memory_limit": memory_limit}
         self._local = threading.local()
         self._write_lock = threading.Lock()
@@ -118,14 +145,14 @@ class ActivationStore:
         self._check_version()
 
     @classmethod
-    def from_config(cls, cfg: ActivationsConfig, *, read_only: bool = False) -> "ActivationStore":
+    def from_config(cls, cfg: ActivationsConfig, *, read_only: bool = False, create: bool = True) -> "ActivationStore":
         return cls(cfg.db_path, cfg.parquet_path, read_only=read_only, threads=cfg.threads,
-                   memory_limit=cfg.memory_limit)
+                   memory_limit=cfg.memory_limit, create=create)
 
     # ------------------------------------------------------------------------------ connection
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
-        if self.read_only and not self.db_path.is_file():
+        if not self.create and not self.db_path.is_file():
             raise StoreNotFoundError(f"no activation store at `{self.db_path}`; run a generation with --sae first "
                                      "(or point activations.db_path at an existing store)")
         if not self.read_only:
@@ -142,6 +169,9 @@ class ActivationStore:
                     f"the activation store `{self.db_path}` is open in another process ({message.split('(')[-1].rstrip(').')}). "
                     "DuckDB allows one writer: stop that process, or go through the StoreActor (raylens status)"
                 ) from None
+            if "not a valid DuckDB database" in message or "Could not read enough bytes" in message:
+                raise StoreCorruptError(f"the activation store `{self.db_path}` is damaged ({message.splitlines()[0]}); "
+                                        f"{_CORRUPT_HINT}") from None
             raise StoreError(f"cannot open the activation store `{self.db_path}`: {message}") from err
         except duckdb.Error as err:
             raise StoreError(f"cannot open the activation store `{self.db_path}`: {err}") from err
@@ -195,6 +225,39 @@ class ActivationStore:
                 raise
             applied.append(migration.version)
         return applied
+
+    def verify(self) -> None:
+        """Read every column of every table so DuckDB checks every block's checksum; raise
+        :class:`StoreCorruptError` naming the first table that fails."""
+        cur = self.cursor()
+        tables = [r[0] for r in cur.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() ORDER BY 1").fetchall()]
+        for table in tables:
+            try:
+                # hash() of the whole row reads every column; identifiers come from the catalog
+                _scalar(cur, f'SELECT count(*), max(hash(t)) FROM "{table.replace(chr(34), chr(34) * 2)}" t')
+            except duckdb.Error as err:
+                raise StoreCorruptError(f"the activation store `{self.db_path}` is damaged: table `{table}`: "
+                                        f"{str(err).splitlines()[0]}; {_CORRUPT_HINT}") from None
+
+    def read_sql(self, statement: str, params: list[Any] | None = None) -> list[tuple]:
+        """Run one caller-written SELECT read-only → its rows. Anything else is refused: a
+        statement DuckDB's parser does not type as SELECT, or more than one statement."""
+        try:
+            statements = self._con.extract_statements(statement)
+        except duckdb.Error as err:
+            raise StoreError(f"`sql` must be one valid SELECT statement: {str(err).splitlines()[0]}") from None
+        kinds = [s.type.name for s in statements]
+        if kinds != ["SELECT"]:
+            raise StoreError(f"`sql` must be exactly one read-only SELECT statement, got {', '.join(kinds) or 'none'} "
+                             f"({statement[:80]!r}); writes go through the store's own methods",
+                             parameter="statement", value=statement)
+        cur = self.cursor()
+        cur.execute("BEGIN TRANSACTION")
+        try:
+            return cur.execute(statement, params or []).fetchall()
+        finally:
+            cur.execute("ROLLBACK")  # whatever a SELECT managed to change is undone
 
     def _check_version(self) -> None:
         version = self.schema_version()
@@ -290,8 +353,9 @@ class ActivationStore:
 
     def apply_retention(self, days: int, *, compact: bool = True, now: datetime | None = None) -> RetentionResult:
         """Delete rows (and requests) older than ``days``; with ``compact``, shrink the file."""
-        if days < 1:
-            raise StoreError(f"`days` must be >= 1, got {days}")
+        if isinstance(days, bool) or not isinstance(days, int) or not 1 <= days <= MAX_AGE_DAYS:
+            raise StoreError(f"`days` must be an integer in [1, {MAX_AGE_DAYS}], got {days!r}", parameter="days",
+                             value=days)
         cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=days)
         before = self._file_bytes()
         cur = self.cursor()

@@ -103,3 +103,69 @@ def test_parse_since():
     assert queries.parse_since("7d") == timedelta(days=7) and queries.parse_since("12h") == timedelta(hours=12)
     with pytest.raises(InvalidRequestError, match="must look like 7d"):
         queries.parse_since("yesterday")
+
+
+# ------------------------------------------------------------------------- no rows, bad arguments
+
+
+def _hf_tokenizer():
+    """A real HF fast tokenizer built in memory (no model download): it decodes an empty batch as
+    one empty string, which is what broke empty results."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{f"t{i}": i for i in range(1, 300)}}
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(
+        tokenizers.models.WordLevel(vocab, unk_token="[UNK]")))
+
+
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory):
+    with ActivationStore(tmp_path_factory.mktemp("empty") / "e.duckdb") as s:
+        yield s
+
+
+QUERY_KINDS = {
+    "top_features": lambda s: queries.top_features(s, "none"),
+    "top_features_step": lambda s: queries.top_features(s, "none", step=3),
+    "feature_deltas": lambda s: queries.feature_deltas(s, "none", 7),
+    "threshold_search": lambda s: queries.threshold_search(s, 7, 0.0, since=timedelta(days=1)),
+    "top_activating_tokens": lambda s: queries.top_activating_tokens(s, 7),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(QUERY_KINDS))
+def test_a_query_with_no_rows_is_an_empty_table_with_its_columns_even_decoded(empty_store, store, kind):
+    empty = QUERY_KINDS[kind](empty_store)
+    assert empty.num_rows == 0 and empty.column_names == QUERY_KINDS[kind](store).column_names
+    decoded = queries.decode_tokens(empty, _hf_tokenizer())
+    assert decoded.num_rows == 0
+    assert set(decoded.column_names) - set(empty.column_names) <= {"token", "context"}
+
+
+def test_decoding_with_a_real_tokenizer_still_adds_text_to_rows(store):
+    # positive control for the empty case: rows get their text
+    decoded = queries.decode_tokens(queries.top_activating_tokens(store, 7, limit=1, context=2), _hf_tokenizer())
+    assert decoded.column("token").to_pylist() == ["t200"] and decoded.num_rows == 1
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda s: queries.top_features(s, "A", limit=0), "limit"),
+    (lambda s: queries.top_features(s, "A", limit=2**64), "limit"),
+    (lambda s: queries.top_features(s, "A", step=-1), "step"),
+    (lambda s: queries.feature_deltas(s, "A", 2**63), "feature"),
+    (lambda s: queries.threshold_search(s, 7, 1.0, since=timedelta(days=10**6)), "since"),
+    (lambda s: queries.threshold_search(s, 7, float("nan")), "min"),
+    (lambda s: queries.top_activating_tokens(s, 7, context=-1), "context"),
+])
+def test_out_of_range_arguments_are_refused_naming_the_argument(store, call, name):
+    with pytest.raises(InvalidRequestError, match=f"`{name}` must be") as err:
+        call(store)
+    assert err.value.parameter == name
+
+
+@pytest.mark.parametrize("text", ["0d", "99999999999999d", "9" * 5000 + "s", "36501d"])
+def test_since_out_of_range_is_refused(text):
+    with pytest.raises(InvalidRequestError, match="`since` must"):
+        queries.parse_since(text)
+    assert queries.parse_since("36500d") == timedelta(days=36500)  # the bound itself is allowed
