@@ -2,110 +2,59 @@
 
     python -m pipelines.train_sae [--tokens 1000000] [--out DIR]      (also: raylens train-sae)
 
-Corpus: the reStructuredText sources of the Python 3.11 documentation, as Debian's
-``python3.11-doc`` package installs them (``/usr/share/doc/python3.11/html/_sources``; PSF
-licence; ``apt-get install python3.11-doc``). Half of the chunks are wrapped in the model's chat
-template as an assistant answer, so features also cover the template tokens and the assistant
-turn. ``--corpus cpython`` uses only text that ships with CPython itself (the Language
-Reference topics in ``pydoc_data``; also PSF) — smaller, for smoke tests.
+Corpus (``--corpus broad``, the default): :mod:`pipelines.sae_corpus` — ordinary English prose
+(fiction, encyclopaedic entries, news-like clippings, instructions), conversations in the model's
+chat template, and code/documentation (the Python docs, the standard library, man pages), all from
+Debian packages fetched by name into ``artifacts/sae-corpus`` (git-ignored). Users prompt the
+embedded model with ordinary chat; an SAE fitted to one technical corpus reconstructs that poorly.
+``--corpus cpython`` uses only text that ships with CPython itself (the Language Reference topics
+in ``pydoc_data``; PSF) — tiny, for smoke tests.
 
 Collection runs only layers ``0..layer`` of the model (:func:`engine.model.capture.residual_stream`),
 in batches, without grad. Position 0 of every sequence is left out: its residual norm is ~100×
 the others (an attention sink) and would dominate the reconstruction loss.
 
 Training uses sae-lens' ``TopKTrainingSAE`` and ``SAETrainer`` (with its progress bar), fed by an
-iterator over shuffled activations; held-out activations give the reported explained variance,
-L0 and dead-feature fraction, measured on the SAE *as saved* (float16 weights, loaded as float32).
+iterator over shuffled activations. The last sequences of every kind of text are held out; they
+give the reported explained variance, L0 and dead-feature fraction, overall and per kind, measured
+on the SAE *as saved* (float16 weights, loaded as float32). The report also records the corpus
+mix, every source's package, version and licence, and the weights file's size and SHA-256.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
-import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-__all__ = ["TrainConfig", "build_sequences", "collect_activations", "train", "evaluate", "main"]
+from pipelines.sae_corpus import DEFAULT_CACHE
 
-DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
+__all__ = ["TrainConfig", "collect_activations", "train", "evaluate", "main"]
+
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "engine" / "assets" / "saes" / "smollm2-135m-instruct-l16"
-_QUESTIONS = ("Explain this part of the Python documentation.", "What does the documentation say here?",
-              "Summarise this section for me.", "Can you show me the relevant docs?")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    tokens: int = 1_000_000  # activations collected (position 0 excluded)
-    epochs: int = 4
+    tokens: int = 220_000  # activations collected (position 0 excluded); collection is the cost on CPU
+    epochs: int = 10
     layer: int = 16
-    width: int = 1536  # wider SAEs left most features dead on this corpus (see the README)
-    k: int = 48
+    width: int = 2048
+    k: int = 64
     seq_len: int = 256
-    collect_batch: int = 8
+    collect_batch: int = 16
     train_batch: int = 4096
     lr: float = 4e-4
-    holdout: float = 0.05
+    holdout: float = 0.12  # of every kind: enough held-out tokens (>5k) for the smallest kind, code
     seed: int = 0
-    corpus: str = "python-docs"
+    corpus: str = "broad"
     dead_window: int = 10  # steps without firing before AuxK loss revives a feature; 0: a tenth of the steps
     aux_coefficient: float = 2.0
     save_dtype: str = "float16"  # keeps the committed SAE under 15 MB
-
-
-# -------------------------------------------------------------------------------------- corpus
-
-
-def _corpus_texts(corpus: str) -> list[str]:
-    if corpus == "cpython":
-        from pydoc_data.topics import topics
-
-        return [topics[key] for key in sorted(topics)]
-    if corpus != "python-docs":
-        raise SystemExit(f"--corpus must be python-docs or cpython, got {corpus!r}")
-    if not DOCS_DIR.is_dir():
-        raise SystemExit(f"{DOCS_DIR} is missing: `apt-get install python3.11-doc`, or use --corpus cpython")
-    return [p.read_text(encoding="utf-8", errors="replace") for p in sorted(DOCS_DIR.rglob("*.rst.txt"))]
-
-
-def _chunks(text: str, size: int = 1200) -> Iterator[str]:
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip() and set(p.strip()) - set("=-~*^#")]
-    current = ""
-    for paragraph in paragraphs:
-        if current and len(current) + len(paragraph) > size:
-            yield current
-            current = ""
-        current = f"{current}\n\n{paragraph}" if current else paragraph
-    if current:
-        yield current
-
-
-def build_sequences(tokenizer: Any, cfg: TrainConfig, n_sequences: int) -> list[list[int]]:
-    """Deterministic (seeded) token sequences of ``seq_len``: corpus chunks, half chat-formatted."""
-    rng = random.Random(cfg.seed)
-    chunks = [c for text in _corpus_texts(cfg.corpus) for c in _chunks(text)]
-    rng.shuffle(chunks)
-    stream: list[int] = []
-    sequences: list[list[int]] = []
-    for chunk in chunks:
-        if rng.random() < 0.5:
-            messages = [{"role": "user", "content": rng.choice(_QUESTIONS)}, {"role": "assistant", "content": chunk}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False)
-        else:
-            text = chunk + "\n\n"
-        stream.extend(tokenizer.encode(text, add_special_tokens=False))
-        while len(stream) >= cfg.seq_len:
-            sequences.append(stream[: cfg.seq_len])
-            del stream[: cfg.seq_len]
-            if len(sequences) == n_sequences:
-                return sequences
-    if len(sequences) < n_sequences:
-        print(f"train_sae: the corpus gives {len(sequences)} sequences, fewer than {n_sequences}; using all",
-              file=sys.stderr)
-    return sequences
 
 
 # ---------------------------------------------------------------------------------- collection
@@ -228,16 +177,37 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     for name in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed", "train_batch", "dead_window"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--holdout", type=float, default=defaults.holdout, help="held-out share of every kind of text")
     p.add_argument("--aux-coefficient", type=float, default=defaults.aux_coefficient)
-    p.add_argument("--corpus", choices=["python-docs", "cpython"], default=defaults.corpus)
+    p.add_argument("--corpus", choices=["broad", "cpython"], default=defaults.corpus)
+    p.add_argument("--corpus-cache", type=Path, default=DEFAULT_CACHE,
+                   help="where the corpus packages are downloaded and unpacked (git-ignored)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--activations-cache", type=Path, help="save/reuse collected activations (.pt)")
     p.add_argument("--config", help="raylens config naming the model (default configs/local.yaml)")
     args = p.parse_args(argv)
     cfg = TrainConfig(**{k: getattr(args, k) for k in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed",
-                                                         "train_batch", "lr", "corpus", "dead_window",
+                                                         "train_batch", "lr", "holdout", "corpus", "dead_window",
                                                          "aux_coefficient")})
     return cfg, args
+
+
+def _holdout(kinds: list[str], fraction: float) -> list[bool]:
+    """Per sequence: held out? The last ``fraction`` of every kind's sequences (at least 2 each)."""
+    held = [False] * len(kinds)
+    for kind in dict.fromkeys(kinds):
+        indices = [i for i, k in enumerate(kinds) if k == kind]
+        for i in indices[len(indices) - max(2, round(len(indices) * fraction)):]:
+            held[i] = True
+    return held
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.config import load_config
     from engine.model.loading import load_model_and_tokenizer
+    from pipelines.sae_corpus import build_corpus
 
     cfg, args = _parse(argv)
     started = time.perf_counter()
@@ -254,16 +225,23 @@ def main(argv: list[str] | None = None) -> int:
                                                 device="cpu", dtype=torch.float32, attn_implementation="sdpa",
                                                 hf_token=backend_cfg.hf_token)
     n_sequences = -(-cfg.tokens // (cfg.seq_len - 1))
-    sequences = build_sequences(tokenizer, cfg, n_sequences)
-    if args.activations_cache and args.activations_cache.is_file():
-        acts = torch.load(args.activations_cache)
+    corpus = build_corpus(tokenizer, n_sequences, cfg.seq_len, seed=cfg.seed, corpus=cfg.corpus,
+                          cache=args.corpus_cache)
+    sequences, kinds = corpus.sequences, corpus.kinds
+    fingerprint = hashlib.sha256(json.dumps(sequences).encode()).hexdigest()
+    cached = torch.load(args.activations_cache) if args.activations_cache and args.activations_cache.is_file() \
+        else None
+    if cached is not None and cached.get("corpus_sha256") == fingerprint and cached.get("layer") == cfg.layer:
+        acts = cached["acts"]
     else:
         acts = collect_activations(model, sequences, cfg)
         if args.activations_cache:
-            torch.save(acts, args.activations_cache)
-    hold_sequences = max(4, round(len(sequences) * cfg.holdout))  # activations are sequence-major
-    n_hold = hold_sequences * (cfg.seq_len - 1)
-    train_acts, held_acts = acts[:-n_hold], acts[-n_hold:]
+            torch.save({"acts": acts, "corpus_sha256": fingerprint, "layer": cfg.layer}, args.activations_cache)
+    per_seq = cfg.seq_len - 1  # activations are sequence-major, position 0 left out
+    held = _holdout(kinds, cfg.holdout)
+    row_held = torch.tensor(held).repeat_interleave(per_seq)
+    train_acts, held_acts = acts[~row_held], acts[row_held]
+    held_kinds = [k for k, h in zip(kinds, held) if h]
     trained = train(train_acts, cfg, model_name=backend_cfg.model_id)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -272,24 +250,33 @@ def main(argv: list[str] | None = None) -> int:
     trained.save_inference_model(args.out)
     saved = SAE.load_from_disk(args.out, dtype="float32")  # measure what ships
     report = evaluate(saved, held_acts)
-    held_tokens = [t for s in sequences[-hold_sequences:] for t in s]
+    by_kind = {}
+    for kind in dict.fromkeys(held_kinds):
+        mask = torch.tensor([k == kind for k in held_kinds]).repeat_interleave(per_seq)
+        by_kind[kind] = asdict(evaluate(saved, held_acts[mask]))
+    held_tokens = [t for s, h in zip(sequences, held) if h for t in s]
     examples = feature_examples(saved, held_acts, held_tokens, tokenizer, cfg.seq_len)
+    weights = args.out / "sae_weights.safetensors"
     summary = {
         "model": backend_cfg.model_id,
         "hook_name": f"blocks.{cfg.layer}.hook_resid_post",
-        "corpus": {"python-docs": "Python 3.11 documentation sources (Debian python3.11-doc, PSF licence), "
-                                  "half chat-formatted",
-                   "cpython": "pydoc_data Language Reference topics (ships with CPython, PSF licence)"}[cfg.corpus],
+        "corpus": corpus.manifest(),
+        "corpus_sha256": fingerprint,
         "train_tokens": int(train_acts.shape[0]),
         "training_samples": cfg.epochs * (train_acts.shape[0] // cfg.train_batch) * cfg.train_batch,
         "config": asdict(cfg),
+        "goals": {"explained_variance_min": 0.85, "l0_max": 64, "dead_fraction_max": 0.05},
         "heldout": asdict(report),
-        "size_bytes": sum(p.stat().st_size for p in args.out.iterdir() if p.is_file()),
+        "heldout_by_kind": by_kind,
+        "weights": {"file": weights.name, "size_bytes": weights.stat().st_size, "sha256": _sha256(weights)},
+        "size_bytes": sum(p.stat().st_size for p in args.out.iterdir()
+                          if p.is_file() and p.name != "training_report.json"),
         "wall_s": round(time.perf_counter() - started, 1),
         "feature_examples": examples,
     }
     (args.out / "training_report.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    print(json.dumps({k: summary[k] for k in ("train_tokens", "heldout", "size_bytes", "wall_s")}, indent=2))
+    print(json.dumps({k: summary[k] for k in ("train_tokens", "heldout", "heldout_by_kind", "size_bytes", "wall_s")},
+                     indent=2))
     return 0
 
 
