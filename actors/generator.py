@@ -66,9 +66,8 @@ class GeneratorActor:
             self._pending.append(self.store.record_request.remote(self.engine.request_record(result)))
         self._pending.append(self.ingest.submit.remote(result.payload))
         self.requests += 1
-        self.tokens += len(result.metadata["sequence_ids"])
+        self.tokens += len(result.sequence_ids)
         out = result.to_dict()
-        out["metadata"] = {k: v for k, v in out["metadata"].items() if k != "sequence_ids"}
         out["metadata"]["actor_ms"] = round((time.perf_counter() - started) * 1000.0, 3)
         return out
 

@@ -121,6 +121,10 @@ class BackendConfig:
     extract_hidden_states: bool = True
     model_cache_dir: str | None = None  # where embedded models are converted to; None: user cache dir
     hf_token: str | None = field(default=None, repr=False)
+    max_batch: int = 8  # requests that share one step (KV-cache slots); more wait in the queue
+    max_waiting: int = 256  # requests queued behind the active ones; then submit blocks (back-pressure)
+    max_sequence: int | None = None  # positions per slot (prompt + output); None: the model's context
+    initial_cache_tokens: int = 256  # per-slot cache length allocated up front; grows by doubling
 
     def __post_init__(self) -> None:
         if self.backend_type != "huggingface":
@@ -132,7 +136,13 @@ class BackendConfig:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"`dtype` must be one of {', '.join(_DTYPES)}, got {self.dtype!r}",
                               parameter="dtype", value=self.dtype)
-        _require(self, "", [("hidden_state_layer", self.hidden_state_layer >= 0, ">= 0")])
+        _require(self, "", [
+            ("hidden_state_layer", self.hidden_state_layer >= 0, ">= 0"),
+            ("max_batch", isinstance(self.max_batch, int) and 1 <= self.max_batch <= 4096, "in [1, 4096]"),
+            ("max_waiting", isinstance(self.max_waiting, int) and self.max_waiting >= 0, ">= 0"),
+            ("max_sequence", self.max_sequence is None or self.max_sequence >= 2, ">= 2 or null"),
+            ("initial_cache_tokens", self.initial_cache_tokens >= 1, ">= 1"),
+        ])
 
 
 @dataclass(frozen=True)
@@ -273,6 +283,9 @@ class RayConfig:
     workers and not yet seen stored: at the bound the token loop waits (back-pressure).
     ``actor_start_timeout_s`` bounds the wait for new actors to be placed and constructed (the
     generator loads its model then), so a request no node can meet fails instead of hanging.
+    ``generators`` GeneratorActor replicas (one per GPU or node) share a job's requests, each
+    running ``generator_max_concurrency`` at a time. ``connect_timeout_s`` bounds reaching the
+    cluster or its dashboard, so a wrong address is one line at once, not minutes of retries.
     """
 
     namespace: str = "raylens"
@@ -281,6 +294,7 @@ class RayConfig:
     generator_num_cpus: float = 1.0
     generator_num_gpus: float = 0.0
     generator_max_concurrency: int = 4
+    generators: int = 1
     sae_workers: int = 2
     sae_worker_num_cpus: float = 1.0
     sae_worker_num_gpus: float = 0.0
@@ -292,9 +306,12 @@ class RayConfig:
     ingest_flush_interval_s: float = 2.0
     call_timeout_s: float = 120.0
     actor_start_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         _require(self, "ray.", [("sae_workers", self.sae_workers >= 1, ">= 1"),
+                                ("generators", self.generators >= 1, ">= 1"),
+                                ("connect_timeout_s", self.connect_timeout_s > 0, "> 0"),
                                 ("max_inflight_blocks", self.max_inflight_blocks >= 1, ">= 1"),
                                 ("generator_max_concurrency", self.generator_max_concurrency >= 1, ">= 1"),
                                 ("ingest_batch_size", self.ingest_batch_size >= 1, ">= 1"),

@@ -1,10 +1,11 @@
 """``Engine``: the in-process entry point — a loaded backend plus requests in, results out.
 
-This is the "server layer" of seed 000: it validates a request, applies the chat template,
-resolves mods, runs :func:`engine.core.rules.run_generation`, decodes text, builds the ingest
-payload and (when an ingest URL is configured) delivers it. One Engine serves concurrent
-``generate`` calls from several threads; each request has its own KV cache, generator, mod
-manager and mod-log capture.
+It validates a request, applies the chat template, resolves mods and hands the request to the
+shared step loop (:mod:`engine.core.step_loop`), which batches every request in flight into one
+forward per step. When a request finishes, the engine decodes its text, builds its ingest payload
+and (when an ingest URL is configured) delivers it. Concurrent ``generate`` calls from any number
+of threads (and the Ray GeneratorActor's concurrent calls) all join the one loop; ``submit`` and
+``stream`` give a handle and a per-token stream for the HTTP layer.
 """
 
 from __future__ import annotations
@@ -14,33 +15,39 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from engine.config import GenerationConfig, RaylensConfig, load_config
+from engine.core.request import GenerationRequest, HiddenSink, RequestState
+from engine.core.result import FinishReason, GenerationResult
+from engine.core.rules import Rules
+from engine.core.step_loop import Entry, StepLoop
+from engine.core.stream import RequestHandle, StreamEvent
+from engine.errors import ConfigError, ContextOverflowError, InvalidRequestError, TokenOutOfVocabularyError
+from engine.model import Backend, create_backend
+from engine.model.capture import CapturePlan, event_plan
+from engine.model.hook_names import resid_post
+from engine.model.sampling import SamplingParams, make_generator
+from engine.model.tensor import TensorShim
+from engine.services.ingest_client import IngestClient
+from engine.services.ingest_payload import PayloadRecorder
+from engine.services.sae import SAEEncoder
+from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
+from engine.services.store import ActivationStore, RequestRecord
 from mods import conversation
 from mods.legacy_names import install_legacy_names
 from mods.loading import ModSpec, resolve_mods
 from mods.manager import ModManager, mod_name
 from mods.types import ModEvent
 
-from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
-from engine.model import Backend, create_backend
-from engine.config import GenerationConfig, RaylensConfig, load_config
-from engine.errors import ConfigError, InvalidRequestError
-from engine.core.rules import GenerationRequest, HiddenSink, run_generation
-from engine.services.ingest_client import IngestClient
-from engine.services.ingest_payload import PayloadRecorder
-from engine.core.result import FinishReason, GenerationResult
-from engine.services.sae import SAEEncoder
-from engine.model.sampling import SamplingParams
-from engine.services.store import ActivationStore, RequestRecord
-from engine.model.tensor import TensorShim
-
 __all__ = ["Engine", "load_mods"]
+
+MAX_TOP_LOGPROBS = 20
 
 
 def load_mods(specs: Sequence[ModSpec] | None) -> list[Callable[..., Any]]:
     """Resolve mods with ``max.driver.Tensor`` bound to the engine's tensor class first, so a mod
-    that imports it at load time builds tensors the engine produces (compat §1.3 rule 3)."""
+    that imports it at load time builds tensors the engine produces."""
     install_legacy_names(tensor_class=TensorShim)
     return resolve_mods(specs)
 
@@ -68,26 +75,36 @@ class Engine:
         self.store: ActivationStore | None = None
         self.recorder: ActivationRecorder | None = None
         self._sink: HiddenSink | None = None
+        self._sink_layer: int | None = None
+        backend_cfg = self.backend.config
+        self._event_names = event_plan(backend_cfg.hidden_state_layer, hidden_states=backend_cfg.extract_hidden_states,
+                                       attention=backend_cfg.extract_attention)
         if config.activations.enabled:
             self.store = ActivationStore.from_config(config.activations)
         if config.sae.enabled:
             self.recorder = self._build_recorder()
-            self._sink = self.recorder
+            self._sink, self._sink_layer = self.recorder, self.recorder.encoder.identity.layer
+        self.loop = StepLoop.for_backend(self.backend)
+        self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
 
     def attach_hidden_sink(self, sink: HiddenSink, layer: int) -> None:
-        """Send every forward's hidden states at ``layer`` to ``sink`` (the Ray generator's SAE
-        hand-off uses this instead of the in-process recorder)."""
-        self.backend.capture_hidden_layers([layer])
-        self._sink = sink
+        """Subscribe ``sink`` to every forward's residual stream after ``layer`` (the Ray
+        generator's SAE hand-off uses this instead of the in-process recorder)."""
+        CapturePlan.of([resid_post(layer)], self.backend.info.num_layers)  # refuses a layer out of range
+        self._sink, self._sink_layer = sink, layer
+
+    def set_capture(self, *, hidden_states: bool, attention: bool) -> None:
+        """What mod events carry from now on (requests already running keep theirs)."""
+        self._event_names = event_plan(self.backend.config.hidden_state_layer, hidden_states=hidden_states,
+                                       attention=attention)
 
     def _build_recorder(self) -> ActivationRecorder:
-        """Load the SAE, have the backend keep its layer, and route encoded rows to the store."""
+        """Load the SAE and route its encoded rows to the store."""
         sae, info, store = self.config.sae, self.backend.info, self.store
         assert store is not None  # RaylensConfig refuses sae.enabled without activations.enabled
         encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
                                   model_layers=info.num_layers,
                                   device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
-        self.backend.capture_hidden_layers([encoder.identity.layer])
 
         def write(rows: Any, batch_id: str, request_id: str) -> int:
             return store.append_activations(rows, batch_id=batch_id, request_id=request_id)
@@ -98,6 +115,7 @@ class Engine:
         return ActivationRecorder(encoder, write, missing, mode=sae.mode, block_steps=sae.block_steps,
                                   max_pending_blocks=sae.max_pending_blocks, model_id=info.model_id,
                                   skip_first_position=sae.skip_first_position)
+
     @classmethod
     def from_config(cls, path: str | Path | None = None, *,
                     overrides: Mapping[str, Mapping[str, Any]] | None = None) -> "Engine":
@@ -114,10 +132,22 @@ class Engine:
             self.recorder.drain()
 
     def close(self) -> None:
-        """Finish pending SAE work (nothing in flight is lost), then release everything."""
+        """Cancel this engine's requests still running (their results are still built), stop the
+        step loop when this engine owns the backend, finish pending SAE work (nothing in flight is
+        lost), then release everything."""
+        with self._lock:
+            handles = list(self._handles.values())
+        for handle in handles:
+            handle.cancel()
+        for handle in handles:
+            try:
+                handle.result(timeout=60)
+            except Exception:  # the caller of that request sees its error
+                pass
+        if self._owns_backend:
+            self.loop.close()
         if self.recorder is not None:
             self.recorder.close()
-            self.backend.capture_hidden_layers([])
         if self.store is not None:
             self.store.close()
         if self._ingest is not None:
@@ -142,7 +172,8 @@ class Engine:
             raise InvalidRequestError(f"give exactly one of prompt, messages, input_ids; got {given or 'none'}",
                                       parameter="prompt")
         if input_ids is not None:
-            if isinstance(input_ids, (str, bytes)) or not all(isinstance(t, int) for t in input_ids):
+            if isinstance(input_ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                              for t in input_ids):
                 raise InvalidRequestError("`input_ids` must be a list of ints", parameter="input_ids")
             if not input_ids:
                 raise InvalidRequestError("`input_ids` must not be empty", parameter="input_ids", value=[])
@@ -170,12 +201,131 @@ class Engine:
         except ConfigError as err:
             raise InvalidRequestError(str(err), parameter=err.parameter, value=err.value) from None
 
+    def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        vocab = self.backend.info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise TokenOutOfVocabularyError(f"`{what}` must hold token ids in [0, {vocab}), got {bad[:5]}",
+                                            parameter=what, value=bad[:5])
+        return list(ids)
+
     def _claim(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._active:
                 raise InvalidRequestError(f"request id {request_id!r} is already running", parameter="request_id",
                                           value=request_id)
             self._active.add(request_id)
+
+    def submit(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: Sequence[int] | None = None,
+        mods: Sequence[ModSpec] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop_tokens: Sequence[int] | None = None,
+        ignore_eos: bool | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        response_format: dict[str, Any] | None = None,
+        request_id: str | None = None,
+        on_event: Callable[[ModEvent], None] | None = None,
+        banned_tokens: Sequence[int] | None = None,
+        repetition_penalty: float | None = None,
+        top_logprobs: int | None = None,
+        attention: str | None = None,
+        block: bool = True,
+        timeout: float | None = None,
+    ) -> RequestHandle:
+        """Queue one request in the shared step loop and return its handle (iterate it for the
+        token stream; ``result()`` for the :class:`GenerationResult`). Bad input raises here.
+
+        ``banned_tokens``: ids never sampled. ``repetition_penalty``: > 0, 1.0 is off.
+        ``top_logprobs``: None/-1 no log-probs, 0 each token's, k ≤ 20 also its k best
+        alternatives. ``attention="all"``: each streamed token carries every layer's newest
+        attention row. With every slot and the wait queue full, ``block`` waits (up to
+        ``timeout``) for room; ``block=False`` raises :class:`~engine.errors.QueueFullError`.
+        """
+        gen = self._generation_config(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                      seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+        info = self.backend.info
+        ids = self._check_ids(self.encode(prompt, messages=messages, input_ids=input_ids, tools=tools), "input_ids")
+        limit = min(info.max_context, self.backend.max_sequence)
+        if len(ids) >= limit:
+            raise ContextOverflowError(f"the prompt must be shorter than {limit} tokens (the model's context and "
+                                       f"backend.max_sequence), got {len(ids)}; shorten it",
+                                       parameter="input_ids", value=len(ids))
+        banned = tuple(self._check_ids([int(t) for t in banned_tokens or ()], "banned_tokens"))
+        if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float))
+                                                   and 0 < repetition_penalty < float("inf")):
+            raise InvalidRequestError(f"`repetition_penalty` must be a finite number > 0, got {repetition_penalty!r}",
+                                      parameter="repetition_penalty", value=repetition_penalty)
+        logprobs = -1 if top_logprobs is None else int(top_logprobs)
+        if not -1 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}",
+                                      parameter="top_logprobs", value=top_logprobs)
+        if attention not in (None, "all"):
+            raise InvalidRequestError(f"`attention` must be None or 'all', got {attention!r}", parameter="attention",
+                                      value=attention)
+        loaded = load_mods(mods)
+        request_id = request_id or str(uuid.uuid4())
+        stop_ids = frozenset(gen.stop_tokens or ()) | (frozenset() if gen.ignore_eos else frozenset(info.eos_token_ids))
+        request = GenerationRequest(
+            request_id=request_id, input_ids=tuple(ids), max_tokens=gen.max_tokens,
+            sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k, banned,
+                                    float(repetition_penalty) if repetition_penalty is not None else 1.0),
+            stop_ids=stop_ids, step_limit=gen.effective_step_limit, seed=gen.seed, logprobs=logprobs,
+            attention_all_layers=attention == "all",
+        )
+        names = set(self._event_names)
+        if self._sink is not None:
+            names.add(resid_post(self._sink_layer))  # type: ignore[arg-type]
+        if attention == "all":
+            names.update(f"blocks.{layer}.attn.hook_pattern" for layer in range(info.num_layers))
+        plan = CapturePlan.of(names, info.num_layers)
+        user_prompt = prompt if prompt is not None else next(
+            (m.get("content") for m in messages or [] if m.get("role") == "user" and isinstance(m.get("content"), str)),
+            None)
+        recorder = PayloadRecorder(request_id, tokenizer=self.tokenizer, request={
+            "model": info.model_id[:255],
+            "max_tokens": gen.max_tokens,
+            "temperature": gen.temperature,
+            "mod_text": ", ".join(mod_name(m) for m in loaded) or None,
+            "active_mod_name": mod_name(loaded[-1])[:255] if loaded else None,
+            "user_prompt": user_prompt,
+            "user_prompt_token_ids": self.tokenizer.encode(user_prompt, add_special_tokens=False)
+            if user_prompt else None,
+        })
+        manager = ModManager(loaded, tokenizer=self.tokenizer)
+        handle = RequestHandle(request_id)
+        state = RequestState(
+            request=request, manager=manager, recorder=recorder,
+            generator=make_generator(gen.seed, self.backend.device), plan=plan, prompt_ids=list(ids),
+            max_tokens=gen.max_tokens, forced_queue=manager.forced_queues.setdefault(request_id, []),
+            event_layer=self.backend.config.hidden_state_layer, on_event=on_event, hidden_sink=self._sink,
+            stream=handle, started_at=time.perf_counter(),
+        )
+        self._claim(request_id)
+        conversation.set_conversation(request_id, messages if messages is not None else (
+            [{"role": "user", "content": prompt}] if prompt is not None else []))
+        conversation.set_schemas(request_id, conversation.schemas_from_request(response_format, tools))
+        try:
+            with self._lock:
+                self._handles[request_id] = handle
+            self.loop.submit(Entry(state, Rules(state, vocab_size=info.vocab_size, device=self.backend.device),
+                                   handle, self._finalize), block=block, timeout=timeout)
+        except BaseException:
+            self._release(request_id)
+            raise
+        return handle
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[StreamEvent]:
+        """``iter(submit(...))``: token events as they are committed (see :meth:`submit`)."""
+        return iter(self.submit(prompt, **kwargs))
 
     def generate(
         self,
@@ -201,50 +351,34 @@ class Engine:
         ``mods``: callables, ``.py`` paths (``path.py:function`` picks one) or payload dicts,
         called in order. Unset sampling parameters come from the config's ``generation`` section.
         ``tools`` and ``response_format`` take the OpenAI shapes; with ``messages`` they are what
-        mods read through the conversation API (``get_conversation``, ``get_schemas``).
+        mods read through the conversation API (``get_conversation``, ``get_schemas``). Concurrent
+        calls share the step loop: each is one more row in the batch.
         """
-        gen = self._generation_config(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                      seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
-        ids = self.encode(prompt, messages=messages, input_ids=input_ids, tools=tools)
-        loaded = load_mods(mods)
-        request_id = request_id or str(uuid.uuid4())
-        info = self.backend.info
-        stop_ids = frozenset(gen.stop_tokens or ()) | (frozenset() if gen.ignore_eos else frozenset(info.eos_token_ids))
-        request = GenerationRequest(
-            request_id=request_id, input_ids=tuple(ids), max_tokens=gen.max_tokens,
-            sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k), stop_ids=stop_ids,
-            step_limit=gen.effective_step_limit, seed=gen.seed,
-        )
-        user_prompt = prompt if prompt is not None else next(
-            (m.get("content") for m in messages or [] if m.get("role") == "user" and isinstance(m.get("content"), str)),
-            None)
-        recorder = PayloadRecorder(request_id, tokenizer=self.tokenizer, request={
-            "model": info.model_id[:255],
-            "max_tokens": gen.max_tokens,
-            "temperature": gen.temperature,
-            "mod_text": ", ".join(mod_name(m) for m in loaded) or None,
-            "active_mod_name": mod_name(loaded[-1])[:255] if loaded else None,
-            "user_prompt": user_prompt,
-            "user_prompt_token_ids": self.tokenizer.encode(user_prompt, add_special_tokens=False)
-            if user_prompt else None,
-        })
-        self._claim(request_id)
-        conversation.set_conversation(request_id, messages if messages is not None else (
-            [{"role": "user", "content": prompt}] if prompt is not None else []))
-        conversation.set_schemas(request_id, conversation.schemas_from_request(response_format, tools))
-        started = time.perf_counter()
-        try:
-            state = run_generation(self.backend, request, ModManager(loaded, tokenizer=self.tokenizer), recorder,
-                                   on_event=on_event, hidden_sink=self._sink)
-        finally:
-            self.backend.release(request_id)
-            conversation.clear_request(request_id)
-            with self._lock:
-                self._active.discard(request_id)
-        elapsed_ms = (time.perf_counter() - started) * 1000.0
-        return self._result(state, recorder, elapsed_ms)
+        return self.submit(prompt, messages=messages, input_ids=input_ids, mods=mods, max_tokens=max_tokens,
+                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_tokens=stop_tokens,
+                           ignore_eos=ignore_eos, tools=tools, response_format=response_format,
+                           request_id=request_id, on_event=on_event).result()
 
-    def _result(self, state: Any, recorder: PayloadRecorder, elapsed_ms: float) -> GenerationResult:
+    def _release(self, request_id: str) -> None:
+        conversation.clear_request(request_id)
+        with self._lock:
+            self._active.discard(request_id)
+            self._handles.pop(request_id, None)
+
+    # ---------------------------------------------------------------------------- results
+
+    def _finalize(self, entry: Entry) -> GenerationResult:
+        """Runs on a finisher thread once the request left the batch."""
+        state = entry.state
+        try:
+            state.manager.forced_queues.pop(state.request_id, None)
+            state.manager.forced_reason_queues.pop(state.request_id, None)
+            elapsed_ms = (time.perf_counter() - state.started_at) * 1000.0
+            return self._result(state, state.recorder, elapsed_ms)  # type: ignore[arg-type]
+        finally:
+            self._release(state.request_id)
+
+    def _result(self, state: RequestState, recorder: PayloadRecorder, elapsed_ms: float) -> GenerationResult:
         tokens = state.forced_output if state.forced_output is not None else state.generated
         stop = state.request.stop_ids
         output_ids = [t for t in tokens if t not in stop]
@@ -266,7 +400,6 @@ class Engine:
             "prompt_tokens": len(state.prompt_ids),
             "generated_tokens": len(state.generated),
             "max_tokens": state.max_tokens,
-            "sequence_ids": list(state.generated),  # what the model read after the prompt (stop ids kept)
             "steps": state.step,
             "prefill_ms": round(state.prefill_ms, 3),
             "total_ms": round(elapsed_ms, 3),
@@ -281,9 +414,10 @@ class Engine:
                                "layer": identity.layer, "top_k": identity.top_k, **self.recorder.stats.as_dict()}
         result = GenerationResult(
             request_id=state.request_id, prompt_ids=list(state.prompt_ids), output_ids=output_ids,
-            output_text=output_text, finish_reason=state.finish, events=state.events, actions=state.actions,
-            ignored_actions=state.ignored, payload=payload, metadata=metadata, tool_calls=state.tool_calls,
-            error=state.error,
+            output_text=output_text, finish_reason=state.finish, events=state.events,  # type: ignore[arg-type]
+            actions=state.actions, ignored_actions=state.ignored, payload=payload, metadata=metadata,
+            tool_calls=state.tool_calls, error=state.error, sequence_ids=list(state.generated),
+            token_logprobs=list(state.logprobs) if state.request.logprobs >= 0 else None,
         )
         if self.store is not None:
             self.store.record_request(self.request_record(result, state.request.sampling))
@@ -294,8 +428,33 @@ class Engine:
         return RequestRecord(
             request_id=result.request_id, model_id=self.backend.info.model_id,
             prompt_text=self.tokenizer.decode(result.prompt_ids), output_text=result.output_text,
-            prompt_ids=list(result.prompt_ids), output_ids=list(result.metadata["sequence_ids"]),
+            prompt_ids=list(result.prompt_ids), output_ids=list(result.sequence_ids),
             finish_reason=str(result.finish_reason),
             config={"sampling": dataclasses.asdict(sampling) if sampling else None,
                     "max_tokens": result.metadata["max_tokens"], "layer": self.config.backend.hidden_state_layer,
                     "sae": result.metadata.get("sae")})
+
+    # ------------------------------------------------------------------- embeddings and capture
+
+    def embed(self, texts: Sequence[str], *, layer: int | None = None, pool: str = "mean",
+              batch_size: int = 16) -> Any:
+        """``(len(texts), d)`` float32 numpy embeddings: the final normed hidden states (or the
+        residual stream after block ``layer``) pooled by ``"mean"`` or ``"last"``. Texts are
+        plain text (no chat template, no BOS); each call runs fresh forwards, no cache reused.
+        See :mod:`engine.model.embeddings`."""
+        from engine.model.embeddings import embed
+
+        return embed(self.backend.model, self.tokenizer, texts, layer=layer, pool=pool, batch_size=batch_size)
+
+    def capture(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
+                input_ids: Sequence[int] | None = None, names: Sequence[str] = ("*",),
+                out: str | Path | None = None) -> dict[str, Any]:
+        """Named intermediates of one fresh forward pass over exactly one of ``prompt`` (a
+        chat-templated user turn), ``messages`` or ``input_ids``: ``{name: tensor}`` with the
+        batch dimension dropped, for every internal matching ``names`` (globs). With ``out``,
+        also writes ``tensors.safetensors`` and ``manifest.json`` there. Capture never changes
+        the model's outputs. See :mod:`engine.model.named_capture`."""
+        from engine.model.named_capture import capture
+
+        ids = self.encode(prompt, messages=messages, input_ids=input_ids)
+        return capture(self.backend.model, ids, names, out=out, model_id=self.backend.info.model_id)

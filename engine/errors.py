@@ -21,6 +21,8 @@ __all__ = [
     "IngestError",
     "ClusterCapacityError",
     "ActorStartError",
+    "ClusterUnreachableError",
+    "ActorConfigConflictError",
 ]
 
 
@@ -78,3 +80,27 @@ class ClusterCapacityError(RaylensError):
 class ActorStartError(RaylensError):
     """A raylens actor raised while being constructed (e.g. the generator could not load its
     model); the message carries the actor's own error."""
+
+
+class ClusterUnreachableError(RaylensError):
+    """No Ray cluster or dashboard answers at the configured address within the connect timeout.
+    Start Ray or pass the right address; recoverable once it runs."""
+
+    recoverable = True
+
+
+class ActorConfigConflictError(RaylensError):
+    """Running raylens actors hold something this job's config needs with other settings (a
+    StoreActor owns the DuckDB file). Use their settings or stop them first (``raylens stop``)."""
+
+
+class QueueFullError(RaylensError):
+    """Every batch slot is taken and the wait queue is full. Recoverable: retry later, or submit
+    with ``block=True`` to wait for room (back-pressure instead of a silent drop)."""
+
+    recoverable = True
+
+
+class EngineClosedError(RaylensError):
+    """The engine was closed (or its step loop stopped) before the request finished. Unrecoverable
+    for this engine: create a new one."""

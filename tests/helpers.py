@@ -96,29 +96,34 @@ class ScriptedBackend:
     """A 'model' that wants to write ``script`` after the prompt, one character per step.
 
     Logits: 10 for the scripted next character, 5 for the character after it, 0 elsewhere; past
-    the script's end it predicts EOS. Counts forward passes for assertions.
+    the script's end it predicts EOS. It implements the Backend protocol (slots and batched
+    forwards) and counts forwards (one per row) for assertions.
     """
 
     def __init__(self, script: str = "hello world", vocab_size: int = 128) -> None:
         import torch
 
-        from engine.model.backend import ModelInfo
         from engine.config import BackendConfig
+        from engine.model.backend import ModelInfo
 
         self.tok = CharTokenizer()
         self.script = self.tok.encode(script) + [self.tok.eos_token_id]
-        self.config = BackendConfig(model_id="scripted", device="cpu")
+        self.config = BackendConfig(model_id="scripted", device="cpu", hidden_state_layer=0)
         self.device = torch.device("cpu")
         self.info = ModelInfo("scripted", vocab_size, 8, 2, 2, 1, 4096, (self.tok.eos_token_id,), "cpu", "float32")
         self.sequences: dict[str, dict[str, Any]] = {}
         self.forward_count = 0
-        self.rewinds: list[int] = []
-
-    def load_model(self, model_id: str, config: Any) -> None:
-        pass
+        self.max_batch = 8
+        self.max_sequence = 4096
 
     def tokenizer(self) -> CharTokenizer:
         return self.tok
+
+    def acquire(self, request_id: str) -> None:
+        self.sequences[request_id] = {"tokens": [], "prompt_len": 0}
+
+    def release(self, request_id: str) -> None:
+        self.sequences.pop(request_id, None)
 
     def _logits(self, seq: dict[str, Any]):
         import torch
@@ -131,55 +136,23 @@ class ScriptedBackend:
         logits[first] = 10.0
         return logits
 
-    def prefill(self, request_id: str, input_ids: Sequence[int], max_steps: int, *, context_info: Any = None,
-                seed: int | None = None):
-        from mods.types import ContextInfo, Prefilled
+    def _feed(self, seq: dict[str, Any], start: int, tokens: Sequence[int]) -> None:
+        del seq["tokens"][start:]
+        seq["tokens"].extend(int(t) for t in tokens)
+        if start == 0:
+            seq["prompt_len"] = len(tokens)
 
-        self.sequences[request_id] = {"tokens": list(input_ids), "prompt_len": len(input_ids)}
-        self.forward_count += 1
-        return Prefilled(request_id, 0, max_steps, ContextInfo(request_id, list(input_ids), max_steps),
-                         input_ids=list(input_ids))
+    def forward(self, rows: Sequence[Any]) -> list[Any]:
+        from engine.model.backend import RowOutput
+        from engine.model.capture import RowCapture
 
-    def forward_pass(self, request_id: str, step: int):
-        from engine.model.tensor import TensorShim
-        from mods.types import ForwardPass
-
-        seq = self.sequences[request_id]
-        self.forward_count += 1
-        return ForwardPass(request_id, step, TensorShim(self._logits(seq)[None, :]), input_ids=list(seq["tokens"]))
-
-    def sample(self, request_id: str, step: int, logits: Any, params: Any):
-        import torch
-
-        from engine.model.sampling import make_generator, sample
-        from engine.model.tensor import TensorShim
-        from mods.types import Sampled
-
-        tensor = logits.tensor if isinstance(logits, TensorShim) else logits
-        return Sampled(request_id, step, sample(tensor, params, make_generator(0, torch.device("cpu"))))
-
-    def add_token(self, request_id: str, step: int, tokens: Sequence[int], forced: bool):
-        from mods.types import Added
-
-        self.sequences[request_id]["tokens"].extend(int(t) for t in tokens)
-        return Added(request_id, step, list(tokens), forced)
-
-    def rewind_kv_cache(self, request_id: str, n: int) -> None:
-        self.rewinds.append(n)
-        if n:
-            del self.sequences[request_id]["tokens"][-n:]
-
-    def get_hidden_states(self, request_id: str, layer: int) -> None:
-        return None
-
-    def get_attention_patterns(self, request_id: str, layer: int) -> None:
-        return None
-
-    def take_forward_record(self, request_id: str) -> None:
-        return None
-
-    def release(self, request_id: str) -> None:
-        self.sequences.pop(request_id, None)
+        outputs = []
+        for row in rows:
+            seq = self.sequences[row.request_id]
+            self._feed(seq, row.start, row.tokens)
+            self.forward_count += 1
+            outputs.append(RowOutput(self._logits(seq), RowCapture()))
+        return outputs
 
     def shutdown(self) -> None:
         self.sequences.clear()
@@ -188,8 +161,8 @@ class ScriptedBackend:
 class ScriptedAnswerBackend(ScriptedBackend):
     """A 'model' that answers whatever it is asked with the next characters of ``answers``.
 
-    Only the tokens it writes itself (not forced ones) advance it, and erasing never rewinds it:
-    a self-prompted question gets the next scripted answer, as in compat §10's runs. When the
+    Only the tokens it writes itself advance it — a fed token equal to what it predicted last —
+    and erasing never rewinds it: a self-prompted question gets the next scripted answer. When the
     answers are used up it predicts EOS.
     """
 
@@ -197,18 +170,39 @@ class ScriptedAnswerBackend(ScriptedBackend):
         super().__init__("")
         self.answers = self.tok.encode(answers)
         self.written = 0
+        self._predicted: dict[str, int] = {}
+
+    def _next(self) -> int:
+        return self.answers[self.written] if self.written < len(self.answers) else self.tok.eos_token_id
 
     def _logits(self, seq: dict[str, Any]):
         import torch
 
         logits = torch.zeros(self.info.vocab_size)
-        logits[self.answers[self.written] if self.written < len(self.answers) else self.tok.eos_token_id] = 10.0
+        logits[self._next()] = 10.0
         return logits
 
-    def add_token(self, request_id: str, step: int, tokens: Sequence[int], forced: bool):
-        if not forced:
-            self.written += len(tokens)
-        return super().add_token(request_id, step, tokens, forced)
+    def _feed(self, seq: dict[str, Any], start: int, tokens: Sequence[int]) -> None:
+        fresh = [int(t) for t in tokens][max(0, len(seq["tokens"]) - start):]
+        predicted = self._predicted.get(id(seq))
+        if fresh and predicted is not None and fresh[0] == predicted and self.written < len(self.answers):
+            self.written += 1
+        super()._feed(seq, start, tokens)
+        self._predicted[id(seq)] = self._next()
+
+
+def forward_prompt(backend: Any, ids: Sequence[int], names: Sequence[str], request_id: str = "probe") -> Any:
+    """One prefill-shaped forward of ``ids`` on a fresh slot, capturing ``names`` for every
+    position; the slot is released afterwards. Returns the row's :class:`RowOutput`."""
+    from engine.model.backend import ForwardRow
+    from engine.model.capture import CapturePlan
+
+    plan = CapturePlan.of(names, backend.info.num_layers, all_query_rows=True)
+    backend.acquire(request_id)
+    try:
+        return backend.forward([ForwardRow(request_id, 0, tuple(ids), plan)])[0]
+    finally:
+        backend.release(request_id)
 
 
 def scripted_engine(script: str = "hello world", *, answers: str | None = None, **generation: Any):

@@ -13,12 +13,14 @@ __all__ = ["FinishReason", "IgnoredAction", "GenerationResult"]
 
 class FinishReason(str, Enum):
     """Why a request ended. ``stop``: EOS/stop token or ForceOutput; ``length``: token budget,
-    context window or step limit; ``tool_calls``: a ToolCalls action; ``error``: an EmitError."""
+    context window or step limit; ``tool_calls``: a ToolCalls action; ``error``: an EmitError, or
+    a mod or input fault that ended this request alone; ``cancelled``: the caller cancelled it."""
 
     STOP = "stop"
     LENGTH = "length"
     TOOL_CALLS = "tool_calls"
     ERROR = "error"
+    CANCELLED = "cancelled"
 
     def __str__(self) -> str:
         return self.value
@@ -43,6 +45,9 @@ class GenerationResult:
     ``actions``: every action the loop applied, in order (each carries ``_source``, the mod name).
     ``payload``: the ingest payload (never contains hidden states, attention or input ids).
     ``metadata``: request id, model, device, timings, token counts.
+    ``sequence_ids``: what the model read after the prompt (stop ids kept, unlike ``output_ids``).
+    ``token_logprobs``: each generated token's log-prob under the distribution it was drawn from
+    (None for forced tokens), when the request asked for log-probs; else None.
     """
 
     request_id: str
@@ -57,6 +62,8 @@ class GenerationResult:
     metadata: dict[str, Any] = field(repr=False)
     tool_calls: list[Any] | None = None
     error: str | None = None
+    sequence_ids: list[int] = field(default_factory=list, repr=False)
+    token_logprobs: list[float | None] | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able part: what the CLI prints with ``--json``."""

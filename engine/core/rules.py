@@ -1,6 +1,6 @@
 """The generation loop: events out, mod actions in — every event × action rule in one place.
 
-Phase order (compat §4.1; seed 000 module 3)::
+Phase order (the contract, with every rule, is ``docs/generation-rules.md``)::
 
     prefill ─ Prefilled ─► actions                                   (once, step 0)
     loop:  forward ─ ForwardPass ─► actions
@@ -8,20 +8,19 @@ Phase order (compat §4.1; seed 000 module 3)::
            add     ─ Added       ─► actions
            stop checks; step += 1                                    (steps 0, 1, 2, …)
 
-Each phase has one ``apply_*`` method (ForwardPass and Sampled share ``apply_step``) with one case per action the event allows (compat
-§4.2, "Recommended" column). Processing a phase's actions goes in mod registration order and
+Each phase has one ``apply_*`` method (ForwardPass and Sampled share ``apply_step``) with one case per action the event allows. Processing a phase's actions goes in mod registration order and
 ends at the first Backtrack, AdjustedPrefill or terminal action; every non-Noop action after that
 point is recorded as ignored, never dropped silently.
 
-Rules, with the deviations (DEV) from the original engine that compat §4 recommends:
+Rules, with the deliberate deviations (DEV) from the original engine:
 
 * **ForceTokens** queue per request (``ModManager.forced_queues[rid]``); at most one accepted
   per step, from any phase (later ones are ignored with a reason). A non-empty queue at the
-  sampling point skips sampling *and* the Sampled event (DEV ⚠F5); the whole queue is committed
+  sampling point skips sampling *and* the Sampled event (DEV); the whole queue is committed
   as one ``Added(tokens, forced=True)``. A Sampled-phase ForceTokens replaces the sampled
-  token (⚠F6). An Added-phase ForceTokens is committed right after the added tokens with no
+  token. An Added-phase ForceTokens is committed right after the added tokens with no
   further Added event (mods such as SelfPrompt rely on never seeing it).
-* **Backtrack(n, R)** erases committed tokens and never prompt tokens (DEV ⚠F4):
+* **Backtrack(n, R)** erases committed tokens and never prompt tokens (DEV):
   at ForwardPass ``min(n, C)`` of the committed tokens ``C``, no sample this step;
   at Sampled the pending sample counts as the first erased token, then ``min(n - 1, C)``;
   at Added the tokens just added count first (they are committed), ``min(n, C)`` in all.
@@ -30,123 +29,58 @@ Rules, with the deviations (DEV) from the original engine that compat §4 recomm
   ``tokens=[]`` behave alike. The mod's action object is never mutated (DEV).
 * **AdjustedLogits**: sampling uses the action's logits (numpy, torch or Tensor shim; ``[1, V]``
   or ``[V]``); the last one wins. ``token_temp``: None keeps the request temperature, 0 is
-  greedy (DEV ⚠F8), otherwise that temperature for this step.
+  greedy (DEV), otherwise that temperature for this step.
 * **AdjustedPrefill(tokens, max_steps)**: non-empty ``tokens`` replace the prompt (prefilled
-  again, Prefilled not re-dispatched); ``max_steps > 0`` becomes the token budget (DEV ⚠F7).
+  again, Prefilled not re-dispatched); ``max_steps > 0`` becomes the token budget (DEV).
 * **Terminal actions** end the request at once, dropping tokens of the current step:
   ForceOutput → output is exactly its tokens (finish ``stop``); ToolCalls → finish
-  ``tool_calls`` with ``tool_calls = [payload]`` (⚠F13 wrapping kept); EmitError → finish
+  ``tool_calls`` with ``tool_calls = [payload]`` (wrapping kept); EmitError → finish
   ``error``. After a terminal Prefilled action no forward pass runs (DEV).
-* **Prefilled** is dispatched once, ``max_steps`` = the token budget (DEV ⚠F15). A raw mod's
+* **Prefilled** is dispatched once, ``max_steps`` = the token budget (DEV). A raw mod's
   ForceTokens at Prefilled (which validation rejects) is still queued as the first Added
-  chunk, as compat §4.2 recommends.
+  chunk.
 * **Stopping**: a stop token (EOS ids of tokenizer and generation config, plus
   ``stop_tokens``) committed in this step and not erased ends the request after the step's
   Added was dispatched; stop ids are stripped from the output. The budget counts the current
   committed tokens (forced included); ``step_limit`` bounds iterations (Backtrack can erase
   tokens forever); a full context window also ends the request (``length``).
 
-The loop does no I/O: it reports to a recorder (the ingest payload) and to an optional
-``on_event`` callback.
+These rules see one request at a time (:class:`~engine.core.request.RequestState`); the step
+loop (:mod:`engine.core.step_loop`) runs the forward and the sampling of many requests at once
+and calls them in between. They do no I/O: they report to a recorder (the ingest payload) and to
+an optional ``on_event`` callback.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from mods.manager import ModCall, ModManager
+from engine.core.request import ForwardRecord, RequestState
+from engine.core.result import FinishReason, IgnoredAction
+from engine.model.sampling import SamplingParams
+from engine.model.tensor import TensorShim, as_torch
+from mods.manager import ModCall
 from mods.types import (
+    Added,
     AdjustedLogits,
     AdjustedPrefill,
     Backtrack,
     EmitError,
     ForceOutput,
     ForceTokens,
+    ForwardPass,
     ModAction,
     ModEvent,
     Noop,
+    Prefilled,
+    Sampled,
     ToolCalls,
 )
 
-from engine.model.backend import Backend, ForwardRecord
-from engine.core.result import FinishReason, IgnoredAction
-from engine.model.sampling import SamplingParams
-from engine.model.tensor import as_torch
-
-__all__ = ["GenerationRequest", "RequestState", "Recorder", "HiddenSink", "run_generation"]
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
-    input_ids: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_ids: frozenset[int]
-    step_limit: int
-    seed: int | None = None
-
-
-class HiddenSink(Protocol):
-    """Where the hidden states of every forward pass go (SAE encoding), when asked for."""
-
-    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> None: ...
-
-    def finish(self, request_id: str) -> None: ...
-
-
-class Recorder(Protocol):
-    """Where the loop reports events, mod calls and what became of each action."""
-
-    def event(self, event: ModEvent) -> int: ...
-
-    def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]: ...
-
-    def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None) -> None: ...
-
-
-@dataclass
-class RequestState:
-    """Everything one request's loop knows; handed to every helper."""
-
-    request: GenerationRequest
-    prompt_ids: list[int]
-    max_tokens: int
-    forced_queue: list[int]
-    generated: list[int] = field(default_factory=list)
-    step: int = 0
-    finish: FinishReason | None = None
-    forced_output: list[int] | None = None
-    tool_calls: list[Any] | None = None
-    error: str | None = None
-    events: list[ModEvent] = field(default_factory=list)
-    actions: list[ModAction] = field(default_factory=list)
-    ignored: list[IgnoredAction] = field(default_factory=list)
-    # per step
-    force_accepted: bool = False
-    step_committed: list[int] = field(default_factory=list)
-    prefill_ms: float = 0.0
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    def commit(self, tokens: Sequence[int]) -> None:
-        self.generated.extend(tokens)
-        self.step_committed.extend(tokens)
-
-    def erase(self, n: int) -> None:
-        del self.generated[len(self.generated) - n:]
-        del self.step_committed[max(0, len(self.step_committed) - n):]
-
-    def take_queue(self) -> list[int]:
-        tokens = list(self.forced_queue)
-        self.forced_queue.clear()
-        return tokens
+__all__ = ["Rules", "StepPlan"]
 
 
 @dataclass
@@ -156,7 +90,7 @@ class _Call:
 
 
 @dataclass
-class _StepPlan:
+class StepPlan:
     """What the ForwardPass/Sampled phase decided for the rest of the step."""
 
     logits: Any = None  # AdjustedLogits replacement (torch, on device)
@@ -165,42 +99,42 @@ class _StepPlan:
     reinject: list[int] = field(default_factory=list)
 
 
-@dataclass
-class _Loop:
-    backend: Backend
-    manager: ModManager
-    recorder: Recorder
-    state: RequestState
-    on_event: Callable[[ModEvent], None] | None
-    hidden_sink: HiddenSink | None = None
+class Rules:
+    """Applies one request's mod actions, phase by phase; events are built from its newest forward."""
+
+    def __init__(self, state: RequestState, *, vocab_size: int, device: torch.device) -> None:
+        self.state = state
+        self.vocab_size = vocab_size
+        self.device = device
 
     # ------------------------------------------------------------------------------- plumbing
 
-    def report_forward(self, step: int) -> None:
-        """Hand the newest forward's hidden states to the sink (nearline: no waiting on encoding)."""
-        if self.hidden_sink is not None:
-            record = self.backend.take_forward_record(self.state.request_id)
-            if record is not None:
-                self.hidden_sink.on_forward(self.state.request_id, step, record)
+    def report_forward(self, start: int, fed: Sequence[int]) -> None:
+        """Hand the newest forward's hidden states to the SAE sink (nearline: no waiting)."""
+        state = self.state
+        if state.hidden_sink is not None and state.output is not None and state.output.captured.hidden:
+            state.hidden_sink.on_forward(state.request_id, state.step,
+                                         ForwardRecord(start, tuple(fed), state.output.captured.hidden))
 
     def dispatch(self, event: ModEvent) -> list[_Call]:
-        self.state.events.append(event)
-        if self.on_event is not None:
-            self.on_event(event)
-        index = self.recorder.event(event)
-        calls = self.manager.dispatch_traced(event)
-        return [_Call(c, i) for c, i in zip(calls, self.recorder.calls(index, calls))]
+        state = self.state
+        state.events.append(event)
+        if state.on_event is not None:
+            state.on_event(event)
+        index = state.recorder.event(event)
+        calls = state.manager.dispatch_traced(event)
+        return [_Call(c, i) for c, i in zip(calls, state.recorder.calls(index, calls))]
 
     def applied(self, item: _Call, note: str | None = None, action: ModAction | None = None) -> None:
         action = action if action is not None else item.call.action
         self.state.actions.append(action)
-        self.recorder.action(item.index, action, applied=True, note=note)
+        self.state.recorder.action(item.index, action, applied=True, note=note)
 
     def ignored(self, item: _Call, reason: str, action: ModAction | None = None) -> None:
         action = action if action is not None else item.call.action
         self.state.ignored.append(IgnoredAction(self.state.step, item.call.event_type, item.call.mod_name, action,
                                                 reason))
-        self.recorder.action(item.index, action, applied=False, note=reason)
+        self.state.recorder.action(item.index, action, applied=False, note=reason)
 
     def ignore_rest(self, rest: Sequence[_Call], after: ModAction) -> None:
         for item in rest:
@@ -210,19 +144,52 @@ class _Loop:
     def valid_ids(self, item: _Call, ids: Sequence[int] | None, what: str) -> list[int] | None:
         """``ids`` as ints if all are in the vocabulary; otherwise record the action as ignored."""
         tokens = [int(t) for t in ids or []]
-        vocab = self.backend.info.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
         if bad:
-            self.ignored(item, f"{what} holds token ids outside [0, {vocab}): {bad[:5]}")
+            self.ignored(item, f"{what} holds token ids outside [0, {self.vocab_size}): {bad[:5]}")
             return None
         return tokens
+
+    # ------------------------------------------------------------------------------- events
+
+    def _shim(self, tensor: torch.Tensor | None) -> TensorShim | None:
+        return TensorShim(tensor, readonly=True) if tensor is not None else None
+
+    def prefilled_event(self) -> Prefilled:
+        from mods.types import ContextInfo
+
+        state = self.state
+        captured = state.output.captured  # type: ignore[union-attr]
+        layer = state.event_layer
+        ids = list(state.prompt_ids)
+        return Prefilled(
+            state.request_id, 0, state.max_tokens, ContextInfo(state.request_id, ids, state.max_tokens),
+            hidden_states=self._shim(captured.hidden.get(layer)),  # (seq, d)
+            attention_patterns=self._shim(captured.attention.get(layer)),  # (h, seq, seq)
+            layer=layer,
+            input_ids=ids,
+        )
+
+    def forward_event(self) -> ForwardPass:
+        state = self.state
+        output = state.output
+        assert output is not None  # the step loop builds events only after a forward
+        hidden = output.captured.hidden.get(state.event_layer)
+        attention = output.captured.attention.get(state.event_layer)
+        return ForwardPass(
+            state.request_id, state.step, TensorShim(output.logits[None, :], readonly=True),  # (1, V)
+            hidden_states=self._shim(hidden[-1:] if hidden is not None else None),  # (1, d)
+            attention_patterns=self._shim(attention[:, -1:, :] if attention is not None else None),  # (h, 1, kv)
+            layer=state.event_layer,
+            input_ids=state.tokens,
+        )
 
     # ------------------------------------------------------------------------ shared effects
 
     def accept_force(self, item: _Call, action: ForceTokens) -> list[int] | None:
         """The ForceTokens ids if this is the step's first and they are valid, else None (ignored)."""
         if self.state.force_accepted:
-            self.ignored(item, "a ForceTokens was already accepted this step (one per step, compat §4.4)", action)
+            self.ignored(item, "a ForceTokens was already accepted this step (one per step)", action)
             return None
         ids = self.valid_ids(item, action.tokens, "ForceTokens.tokens")
         if ids is not None:
@@ -256,19 +223,18 @@ class _Loop:
         reinject = self.valid_ids(item, action.tokens, "Backtrack.tokens")
         if reinject is None:
             return None
-        wanted = max(0, action.n - already_erased)
+        wanted = max(0, int(action.n) - already_erased)
         erase = min(wanted, len(self.state.generated))
-        if erase:
-            self.backend.rewind_kv_cache(self.state.request_id, erase)
-            self.state.erase(erase)
+        self.state.erase(erase)
         self.applied(item, None if erase == wanted else f"erased {erase} of {wanted}: prompt tokens are kept")
         return reinject
 
-    def commit(self, tokens: list[int], *, forced: bool, announce: bool) -> None:
-        added = self.backend.add_token(self.state.request_id, self.state.step, tokens, forced)
-        self.state.commit(tokens)
+    def commit(self, tokens: list[int], *, forced: bool, announce: bool, sample: Any = None,
+               attention: Any = None) -> None:
+        state = self.state
+        state.commit(tokens, forced=forced, sample=sample, attention=attention)
         if announce:
-            self.apply_added(self.dispatch(added))
+            self.apply_added(self.dispatch(Added(state.request_id, state.step, list(tokens), forced)))
 
     # -------------------------------------------------------------------------------- phases
 
@@ -276,7 +242,7 @@ class _Loop:
         state = self.state
         for i, item in enumerate(calls):
             action = item.call.action
-            if isinstance(item.call.rejected, ForceTokens):  # raw mod, compat §4.2 row "Prefilled | ForceTokens"
+            if isinstance(item.call.rejected, ForceTokens):  # a raw mod's ForceTokens at Prefilled: queued
                 self.queue_force(item, item.call.rejected)
                 continue
             match action:
@@ -288,10 +254,8 @@ class _Loop:
                         continue
                     if int(action.max_steps or 0) > 0:
                         state.max_tokens = int(action.max_steps)
-                    if tokens:
-                        state.prompt_ids = tokens
-                        self.backend.prefill(state.request_id, tokens, state.max_tokens)
-                        self.report_forward(0)
+                    if tokens:  # the new prompt is fed by the next step's forward (Prefilled is not re-sent)
+                        state.prompt_ids, state.cached, state.output = tokens, 0, None
                     self.applied(item)
                     return self.ignore_rest(calls[i + 1:], action)
                 case ForceOutput() | ToolCalls() | EmitError():
@@ -300,17 +264,17 @@ class _Loop:
                 case _:
                     self.ignored(item, f"{type(action).__name__} has no effect at Prefilled")
 
-    def apply_forward_pass(self, calls: list[_Call]) -> _StepPlan:
+    def apply_forward_pass(self, calls: list[_Call]) -> StepPlan:
         return self.apply_step(calls, "ForwardPass", logits_allowed=True, already_erased=0)
 
-    def apply_sampled(self, calls: list[_Call]) -> _StepPlan:
+    def apply_sampled(self, calls: list[_Call]) -> StepPlan:
         # the pending sample is erased first by a Backtrack here
         return self.apply_step(calls, "Sampled", logits_allowed=False, already_erased=1)
 
-    def apply_step(self, calls: list[_Call], event: str, *, logits_allowed: bool, already_erased: int) -> _StepPlan:
+    def apply_step(self, calls: list[_Call], event: str, *, logits_allowed: bool, already_erased: int) -> StepPlan:
         """ForwardPass and Sampled take the same actions, except that only ForwardPass may adjust
         logits and that at Sampled a Backtrack also drops the token just sampled."""
-        plan = _StepPlan()
+        plan = StepPlan()
         for i, item in enumerate(calls):
             action = item.call.action
             match action:
@@ -334,10 +298,10 @@ class _Loop:
                     self.ignored(item, f"{type(action).__name__} has no effect at {event}")
         return plan
 
-    def adjust_logits(self, item: _Call, action: AdjustedLogits, plan: _StepPlan) -> None:
-        vocab = self.backend.info.vocab_size
+    def adjust_logits(self, item: _Call, action: AdjustedLogits, plan: StepPlan) -> None:
+        vocab = self.vocab_size
         try:
-            logits = as_torch(action.logits, device=self.backend.info.device, dtype=torch.float32).reshape(-1)
+            logits = as_torch(action.logits, device=self.device, dtype=torch.float32).reshape(-1)
         except Exception as err:  # a mod handed us something that is not a tensor
             return self.ignored(item, f"AdjustedLogits.logits is not a tensor: {err}")
         if logits.shape[0] != vocab:
@@ -348,7 +312,8 @@ class _Loop:
             return self.ignored(item, f"AdjustedLogits.token_temp must be None or >= 0, got {temp!r}")
         base = self.state.request.sampling
         plan.logits = logits
-        plan.sampling = base if temp is None else SamplingParams(float(temp), base.top_p, base.top_k)
+        plan.sampling = base if temp is None else SamplingParams(float(temp), base.top_p, base.top_k, base.banned,
+                                                                 base.repetition_penalty)
         self.applied(item)
 
     def apply_added(self, calls: list[_Call]) -> None:
@@ -373,74 +338,35 @@ class _Loop:
                 case _:
                     self.ignored(item, f"{type(action).__name__} has no effect at Added")
 
-    # ---------------------------------------------------------------------------------- step
+    # --------------------------------------------------------------------------- step halves
 
-    def run_step(self) -> None:
-        state, backend, rid = self.state, self.backend, self.state.request_id
-        state.force_accepted = False
-        state.step_committed = []
-        forward = backend.forward_pass(rid, state.step)
-        self.report_forward(state.step)
-        plan = self.apply_forward_pass(self.dispatch(forward))
-        sampled_token: int | None = None
-        if state.finish is None and not plan.backtracked and not state.forced_queue:
-            logits = plan.logits if plan.logits is not None else forward.logits
-            sampled = backend.sample(rid, state.step, logits, plan.sampling or state.request.sampling)
-            sampled_token = sampled.sampled_token
-            plan = self.apply_sampled(self.dispatch(sampled))
-        if state.finish is None:
-            self.add_step_tokens(plan, sampled_token)
-        self.end_step()
+    def begin_step(self) -> None:
+        self.state.force_accepted = False
+        self.state.step_committed = []
 
-    def add_step_tokens(self, plan: _StepPlan, sampled_token: int | None) -> None:
+    def sampling_needed(self, plan: StepPlan) -> bool:
+        state = self.state
+        return state.finish is None and not plan.backtracked and not state.forced_queue
+
+    def add_step_tokens(self, plan: StepPlan, sampled: Any = None, attention: Any = None) -> None:
         """Commit and announce this step's tokens: reinjected, forced, or the sample."""
         if plan.backtracked:
             if plan.reinject:
                 self.commit(plan.reinject, forced=True, announce=True)
         elif self.state.forced_queue:
             self.commit(self.state.take_queue(), forced=True, announce=True)
-        elif sampled_token is not None:
-            self.commit([sampled_token], forced=False, announce=True)
+        elif sampled is not None:
+            self.commit([sampled.token], forced=False, announce=True, sample=sampled, attention=attention)
 
-    def end_step(self) -> None:
+    def end_step(self, max_sequence: int) -> None:
         state, request = self.state, self.state.request
         if state.finish is None:
             if any(t in request.stop_ids for t in state.step_committed):
                 state.finish = FinishReason.STOP
             elif len(state.generated) >= state.max_tokens:
                 state.finish = FinishReason.LENGTH
-            elif len(state.prompt_ids) + len(state.generated) >= self.backend.info.max_context:
+            elif state.length >= max_sequence:
                 state.finish = FinishReason.LENGTH
             elif state.step + 1 >= request.step_limit:
                 state.finish = FinishReason.LENGTH
         state.step += 1
-
-
-def run_generation(
-    backend: Backend,
-    request: GenerationRequest,
-    manager: ModManager,
-    recorder: Recorder,
-    *,
-    on_event: Callable[[ModEvent], None] | None = None,
-    hidden_sink: HiddenSink | None = None,
-) -> RequestState:
-    """Run one request to completion and return its final state (token ids, no text)."""
-    queue = manager.forced_queues.setdefault(request.request_id, [])
-    queue.clear()
-    state = RequestState(request, list(request.input_ids), request.max_tokens, queue)
-    loop = _Loop(backend, manager, recorder, state, on_event, hidden_sink)
-    try:
-        started = time.perf_counter()
-        prefilled = backend.prefill(request.request_id, request.input_ids, request.max_tokens, seed=request.seed)
-        state.prefill_ms = (time.perf_counter() - started) * 1000.0
-        loop.report_forward(0)
-        loop.apply_prefilled(loop.dispatch(prefilled))
-        while state.finish is None:
-            loop.run_step()
-    finally:
-        manager.forced_queues.pop(request.request_id, None)
-        manager.forced_reason_queues.pop(request.request_id, None)
-        if hidden_sink is not None:
-            hidden_sink.finish(request.request_id)
-    return state

@@ -1,13 +1,14 @@
-"""The Backend protocol: what the generation loop needs from a model runtime.
+"""The Backend protocol: what the step loop needs from a model runtime, and nothing else.
 
-Method names follow seed 000's protocol. Every per-request method takes the ``request_id``
-(seed 000 leaves it implicit) because one backend serves concurrent requests, each with its own
-KV cache and sampling generator.
+A backend holds the model, its tokenizer and a KV cache with one slot per active request. The
+core tells it which requests are active (:meth:`Backend.acquire` / :meth:`Backend.release`) and
+hands it, once per step, every row that needs a forward (:meth:`Backend.forward`): the tokens a
+request has not fed yet and the position of the first. Positions are data: a request that
+backtracked simply feeds from an earlier position again; the backend never learns why.
 
-Sequence contract: ``prefill`` starts a request; each ``forward_pass`` returns logits for the
-position after every token added so far; ``add_token`` appends tokens (fed to the model by the
-next ``forward_pass``); ``rewind_kv_cache(request_id, n)`` removes the newest ``n`` tokens, so the
-next ``forward_pass`` predicts the position after the kept ones.
+Shapes (``d`` hidden size, ``V`` logits width, ``q`` tokens fed, ``kv`` the request's context):
+:class:`RowOutput` logits ``(V,)`` float32 for the position after the last fed token;
+internals per :class:`~engine.model.capture.RowCapture`. Tensors stay on the model's device.
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from mods.types import Added, ForwardPass, Prefilled, Sampled
-
 from engine.config import BackendConfig
-from engine.model.sampling import SamplingParams
+from engine.model.capture import CapturePlan, RowCapture
 
-__all__ = ["Backend", "ModelInfo", "ForwardRecord"]
+__all__ = ["Backend", "ModelInfo", "ForwardRow", "RowOutput", "ForwardRecord"]
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,25 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class ForwardRow:
+    """One request's part of a step's forward: feed ``tokens`` at positions ``start, start+1, …``
+    (the keys/values before ``start`` are already in the request's slot)."""
+
+    request_id: str
+    start: int
+    tokens: tuple[int, ...]
+    plan: CapturePlan = CapturePlan()
+
+
+@dataclass(frozen=True)
+class RowOutput:
+    logits: Any  # (V,) float32, on device
+    captured: RowCapture
+
+
+@dataclass(frozen=True)
 class ForwardRecord:
-    """The tokens one forward pass read and their hidden states, for SAE encoding.
+    """The tokens one forward read and their hidden states, for SAE encoding.
 
     ``hidden[layer]`` is ``(len(token_ids), d)``, on the model's device; the tokens sit at
     positions ``start_position, start_position + 1, …``.
@@ -57,29 +73,26 @@ class Backend(Protocol):
     info: ModelInfo
     config: BackendConfig
 
-    def load_model(self, model_id: str, config: BackendConfig) -> None: ...
-
     def tokenizer(self) -> Any: ...
 
-    def prefill(self, request_id: str, input_ids: Sequence[int], max_steps: int, *,
-                context_info: Any = None, seed: int | None = None) -> Prefilled: ...
+    @property
+    def max_batch(self) -> int:
+        """How many requests can hold a slot at once."""
+        ...
 
-    def forward_pass(self, request_id: str, step: int) -> ForwardPass: ...
+    @property
+    def max_sequence(self) -> int:
+        """The most positions one request may use (prompt + generated)."""
+        ...
 
-    def sample(self, request_id: str, step: int, logits: Any, params: SamplingParams) -> Sampled: ...
-
-    def add_token(self, request_id: str, step: int, tokens: Sequence[int], forced: bool) -> Added: ...
-
-    def rewind_kv_cache(self, request_id: str, n: int) -> None: ...
-
-    def get_hidden_states(self, request_id: str, layer: int) -> Any | None: ...
-
-    def get_attention_patterns(self, request_id: str, layer: int) -> Any | None: ...
-
-    def take_forward_record(self, request_id: str) -> ForwardRecord | None:
-        """The newest forward's record, once (None if that forward was already taken)."""
+    def acquire(self, request_id: str) -> None:
+        """Give ``request_id`` a cache slot (the caller keeps at most ``max_batch`` active)."""
         ...
 
     def release(self, request_id: str) -> None: ...
+
+    def forward(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
+        """One step's forwards for ``rows`` (each request at most once), outputs in row order."""
+        ...
 
     def shutdown(self) -> None: ...

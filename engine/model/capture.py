@@ -1,50 +1,55 @@
-"""Every model internal raylens exposes, named in one place.
+"""Every model internal a step forward exposes, captured through one plan keyed by name.
+
+Consumers subscribe by name in the TransformerLens vocabulary (:mod:`engine.model.hook_names`):
+mod events take ``blocks.{L}.hook_resid_post`` and ``blocks.{L}.attn.hook_pattern`` of the
+configured layer, the SAE hand-off takes ``blocks.{S}.hook_resid_post`` of its SAE's layer, a
+streaming client may take every layer's pattern. A request's :class:`CapturePlan` is the union of
+its subscriptions; a batched forward honours each row's plan and hands each row back only its own
+tensors (:class:`RowCapture`).
 
 Hidden states
     transformers numbers hidden states from the embedding output: ``hidden_states[0]`` is the
-    input of layer 0 and ``hidden_states[layer + 1]`` the residual stream after ``layer``
-    (for the last layer, after the final norm — transformers ties it to ``last_hidden_state``).
-    :func:`hidden_states_index` is the only place that ``+ 1`` is written. We ask transformers
-    for just the indices we need (``output_hidden_states=[i, ...]``), so the other layers'
-    activations are not kept; its capture hooks are context-local and thread safe.
+    input of layer 0 and ``hidden_states[layer + 1]`` the residual stream after ``layer`` (for the
+    last layer, after the final norm — transformers ties it to ``last_hidden_state``).
+    :func:`hidden_states_index` is the only place that ``+ 1`` is written. We ask transformers for
+    just the indices some row needs (``output_hidden_states=[i, ...]``).
 
 Attention patterns
-    Fast kernels (SDPA, flash) never materialise the softmax, and ``output_attentions=True``
-    would force the slow eager path on *every* layer. Instead the model runs with
+    Fast kernels (SDPA, flash) never materialise the softmax, and ``output_attentions=True`` would
+    force the slow eager path on *every* layer. Instead the model runs with
     :data:`ATTENTION_IMPLEMENTATION`, registered through transformers' ``AttentionInterface``:
-    every layer calls SDPA as usual, and only the layer named by the
-    :class:`AttentionCapture` passed in the forward's kwargs also computes its post-softmax
-    pattern from the post-RoPE query and the cached keys it was handed — for decode steps only the
-    newest query row, ``(heads, 1, seq)``. No module hook is involved, so concurrent forwards
-    cannot see each other's captures. With attention extraction off the model uses plain
-    ``"sdpa"`` and pays nothing.
+    every layer calls SDPA as usual, and a layer some row asked for also computes the post-softmax
+    pattern of just those rows from their post-RoPE queries and cached keys — for decode steps only
+    the newest query row, ``(heads, 1, kv)``. No module hook is involved, so concurrent forwards
+    cannot see each other's captures; with nothing asked, the wrapper costs one dict lookup.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 
-from engine.errors import LayerOutOfRangeError
+from engine.errors import InvalidRequestError, LayerOutOfRangeError
+from engine.model.hook_names import HookName, attn_pattern, parse_hook_name, resid_post
 
 __all__ = [
     "CapturePlan",
+    "RowCapture",
     "AttentionCapture",
-    "Captured",
     "ATTENTION_IMPLEMENTATION",
     "check_layer",
     "hidden_states_index",
     "attention_pattern",
     "ensure_attention_registered",
-    "forward_kwargs",
-    "read_captured",
+    "residual_stream",
 ]
 
 ATTENTION_IMPLEMENTATION = "raylens_sdpa"
-_CAPTURE_KWARG = "raylens_attention"
+CAPTURE_KWARG = "raylens_attention"
+_STEP_HOOKS = ("hook_resid_post", "attn.hook_pattern")
 
 
 def check_layer(layer: int, num_layers: int, *, parameter: str = "hidden_state_layer") -> int:
@@ -64,32 +69,90 @@ def hidden_states_index(layer: int) -> int:
 
 @dataclass(frozen=True)
 class CapturePlan:
-    """Which internals one forward pass must keep."""
+    """The internals one request wants from each of its forwards, by name.
 
-    hidden_layers: tuple[int, ...] = ()
-    attention_layer: int | None = None
-    newest_row_only: bool = True  # attention: the newest query row only (decode) or every row (prefill)
+    A step forward serves ``blocks.{L}.hook_resid_post`` (every fed token's residual stream after
+    layer L, ``(q, d)``) and ``blocks.{L}.attn.hook_pattern`` (``(heads, q', kv)``: every fed
+    query row when ``all_query_rows``, as at prefill, else the newest only). Full dumps of every
+    other internal are :mod:`engine.model.named_capture`'s job.
+    """
+
+    names: frozenset[HookName] = frozenset()
+    all_query_rows: bool = False
+
+    @classmethod
+    def of(cls, names: Iterable[HookName | str], num_layers: int, *, all_query_rows: bool = False) -> "CapturePlan":
+        parsed = []
+        for name in names:
+            hook = parse_hook_name(name) if isinstance(name, str) else name
+            if hook.hook not in _STEP_HOOKS:
+                raise InvalidRequestError(
+                    f"`{hook}` cannot be captured on every step; a step captures "
+                    f"{' and '.join('blocks.<L>.' + h for h in _STEP_HOOKS)} (use Engine.capture for the rest)",
+                    parameter="names", value=str(hook))
+            check_layer(hook.layer, num_layers, parameter="layer")  # type: ignore[arg-type]
+            parsed.append(hook)
+        return cls(frozenset(parsed), all_query_rows)
+
+    def union(self, other: "CapturePlan") -> "CapturePlan":
+        return CapturePlan(self.names | other.names, self.all_query_rows or other.all_query_rows)
+
+    def with_all_query_rows(self, value: bool) -> "CapturePlan":
+        return CapturePlan(self.names, value)
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(n.layer for n in self.names if n.hook == "hook_resid_post"))  # type: ignore[misc]
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(n.layer for n in self.names if n.hook == "attn.hook_pattern"))  # type: ignore[misc]
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+
+def event_plan(layer: int, *, hidden_states: bool, attention: bool) -> frozenset[HookName]:
+    """The names mod events carry: the configured layer's residual stream and attention."""
+    return frozenset(([resid_post(layer)] if hidden_states else []) + ([attn_pattern(layer)] if attention else []))
+
+
+@dataclass(frozen=True)
+class RowCapture:
+    """One row's internals from one forward, batch dimension removed.
+
+    ``hidden[L]``: ``(q, d)`` for the ``q`` tokens fed; ``attention[L]``: ``(heads, q', kv)``
+    with ``kv`` this request's own context length (``q' = 1`` for the newest row only).
+    """
+
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def by_name(self) -> dict[str, torch.Tensor]:
+        out = {str(resid_post(layer)): t for layer, t in self.hidden.items()}
+        out.update({str(attn_pattern(layer)): t for layer, t in self.attention.items()})
+        return out
 
 
 @dataclass
 class AttentionCapture:
-    """The sink one forward pass hands to the attention function of one layer."""
+    """The sink one batched forward hands the attention function: which rows want which layer's
+    pattern, and the patterns it computed (``layer → (rows, heads, q', kv)``)."""
 
-    layer: int
-    newest_row_only: bool
-    pattern: torch.Tensor | None = None  # (heads, q, kv) float32
+    rows_for_layer: dict[int, list[int]]
+    batch_size: int
+    all_query_rows: bool
+    patterns: dict[int, torch.Tensor] = field(default_factory=dict)
 
-
-@dataclass(frozen=True)
-class Captured:
-    """Internals of one forward pass, batch dimension removed.
-
-    ``hidden[layer]``: ``(q, d)`` for the ``q`` tokens fed; ``attention``: ``(heads, q, kv)``
-    (``q = 1`` when only the newest row was asked for).
-    """
-
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    attention: torch.Tensor | None = None
+    @classmethod
+    def for_rows(cls, plans: Sequence[CapturePlan]) -> "AttentionCapture | None":
+        rows: dict[int, list[int]] = {}
+        for row, plan in enumerate(plans):
+            for layer in plan.attention_layers:
+                rows.setdefault(layer, []).append(row)
+        if not rows:
+            return None
+        return cls(rows, len(plans), any(p.all_query_rows for p in plans))
 
 
 def attention_pattern(
@@ -100,25 +163,26 @@ def attention_pattern(
     kv_groups: int,
     newest_row_only: bool,
 ) -> torch.Tensor:
-    """Post-softmax attention ``(heads, q, kv)`` from ``query (1, heads, q, hd)`` and
-    ``key (1, kv_heads, kv, hd)``; GQA key heads are repeated to the query heads, as eager does."""
+    """Post-softmax attention ``(B, heads, q, kv)`` from ``query (B, heads, q, hd)`` and
+    ``key (B, kv_heads, kv, hd)``; GQA key heads are repeated to the query heads, as eager does.
+    ``attention_mask``: ``(B, 1, q, kv)`` boolean (True = may attend) or additive float."""
     if newest_row_only:
         query = query[:, :, -1:, :]
         if attention_mask is not None:
             attention_mask = attention_mask[..., -1:, :]
     keys = key.repeat_interleave(kv_groups, dim=1) if kv_groups > 1 else key
-    scores = torch.matmul(query.float(), keys.float().transpose(2, 3)) * scaling  # (1, h, q, kv)
+    scores = torch.matmul(query.float(), keys.float().transpose(2, 3)) * scaling  # (B, h, q, kv)
     q_len, kv_len = scores.shape[-2], scores.shape[-1]
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, float("-inf"))
         else:
             scores = scores + attention_mask.float()
-    elif q_len > 1:  # SDPA got no mask because the chunk is plainly causal
+    elif q_len > 1:  # no mask: the chunk is plainly causal
         query_pos = torch.arange(kv_len - q_len, kv_len, device=scores.device)[:, None]
         key_pos = torch.arange(kv_len, device=scores.device)[None, :]
         scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
-    return torch.softmax(scores, dim=-1)[0]
+    return torch.softmax(scores, dim=-1)
 
 
 def _capture_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -126,12 +190,18 @@ def _capture_attention_forward(module: Any, query: torch.Tensor, key: torch.Tens
                                dropout: float = 0.0, **kwargs: Any):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    capture: AttentionCapture | None = kwargs.pop(_CAPTURE_KWARG, None)
-    if capture is not None and module.layer_idx == capture.layer:
-        capture.pattern = attention_pattern(
-            query, key, attention_mask, scaling if scaling is not None else module.scaling,
-            module.num_key_value_groups, capture.newest_row_only,
-        )
+    capture: AttentionCapture | None = kwargs.pop(CAPTURE_KWARG, None)
+    if capture is not None:
+        rows = capture.rows_for_layer.get(module.layer_idx)
+        if rows:
+            every = len(rows) == capture.batch_size
+            index = None if every else torch.tensor(rows, device=query.device)
+            pick = (lambda t: t) if every else (lambda t: t.index_select(0, index))
+            capture.patterns[module.layer_idx] = attention_pattern(
+                pick(query), pick(key), pick(attention_mask) if attention_mask is not None else None,
+                scaling if scaling is not None else module.scaling, module.num_key_value_groups,
+                newest_row_only=not capture.all_query_rows,
+            )
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                   **kwargs)
 
@@ -150,27 +220,27 @@ def ensure_attention_registered() -> str:
     return ATTENTION_IMPLEMENTATION
 
 
-def forward_kwargs(plan: CapturePlan) -> tuple[dict[str, Any], AttentionCapture | None]:
-    """Keyword arguments for ``model(...)`` that capture what ``plan`` asks for."""
-    kwargs: dict[str, Any] = {}
-    if plan.hidden_layers:
-        kwargs["output_hidden_states"] = [hidden_states_index(layer) for layer in plan.hidden_layers]
-    capture = None
-    if plan.attention_layer is not None:
-        capture = AttentionCapture(plan.attention_layer, plan.newest_row_only)
-        kwargs[_CAPTURE_KWARG] = capture
-    return kwargs, capture
-
-
-def read_captured(outputs: Any, plan: CapturePlan, capture: AttentionCapture | None) -> Captured:
-    """Every fed token's hidden states (an SAE needs all of a forced chunk); events slice the newest."""
-    hidden = {layer: outputs.hidden_states[hidden_states_index(layer)][0] for layer in plan.hidden_layers}  # (q, d)
-    return Captured(hidden, capture.pattern if capture is not None else None)
+def split_rows(outputs: Any, plans: Sequence[CapturePlan], capture: AttentionCapture | None,
+               hidden_index: dict[int, int], contexts: Sequence[int]) -> list[RowCapture]:
+    """Each row's own internals: its hidden layers ``(q, d)`` and its patterns cut to its own
+    context length ``contexts[row]`` (the batch attends over the longest row's positions)."""
+    rows = []
+    taken = {layer: 0 for layer in (capture.rows_for_layer if capture else {})}
+    for row, plan in enumerate(plans):
+        hidden = {layer: outputs.hidden_states[hidden_index[layer]][row] for layer in plan.hidden_layers}
+        attention = {}
+        for layer in plan.attention_layers:
+            pattern = capture.patterns[layer][taken[layer]]  # type: ignore[union-attr]
+            taken[layer] += 1
+            attention[layer] = pattern[:, :, : contexts[row]]
+        rows.append(RowCapture(hidden, attention))
+    return rows
 
 
 def residual_stream(model: Any, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
-    """The residual stream after ``layer`` for ``input_ids (B, T)`` → ``(B, T, d)``, running only
-    layers ``0..layer`` (for collecting SAE training data: the layers above are never computed).
+    """The residual stream after ``layer`` (``blocks.{layer}.hook_resid_post``) for
+    ``input_ids (B, T)`` → ``(B, T, d)``, running only layers ``0..layer`` (SAE training data: the
+    layers above are never computed).
 
     Equals ``model(..., output_hidden_states=True).hidden_states[hidden_states_index(layer)]`` for
     full, unpadded causal sequences; the last layer's entry (which transformers ties to the

@@ -1,35 +1,52 @@
-"""Choosing the next token: a pure function of logits, parameters and a per-request generator.
+"""Choosing the next tokens: pure functions of logits, parameters and per-request generators.
 
-The filters are transformers' own warpers (temperature, then top-k, then top-p — the order
-``generate`` applies them in). Randomness comes only from the request's ``torch.Generator``,
-never from the global RNG, so concurrent requests stay reproducible under their seeds.
+The filters are transformers' own processors (banned ids and repetition penalty, then temperature,
+top-k, top-p — the order ``generate`` applies them in). Randomness comes only from each request's
+``torch.Generator``, never from the global RNG, so a seeded request draws the same tokens whatever
+else shares its batch.
+
+:func:`sample_rows` serves a whole step: greedy rows share one ``argmax``; each sampling row draws
+with its own generator; every chosen id stays on the device until one host read at the end (the
+only sync a plain step needs: mods receive the sampled id as a Python int).
+
+Log-probabilities (for streaming clients and ranked candidates) are those of the distribution the
+token was drawn from: the processed scores' log-softmax (temperature, top-k and top-p applied and
+renormalised). A greedy row reports the log-softmax of its processed logits at temperature 1.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "sample", "make_generator"]
+__all__ = ["SamplingParams", "SampleRow", "SampleResult", "sample", "sample_rows", "make_generator"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature = 0``: greedy. ``top_k = 0`` / ``top_p = 1``: filter off."""
+    """``temperature = 0``: greedy. ``top_k = 0`` / ``top_p = 1``: filter off. ``banned``: ids that
+    are never drawn. ``repetition_penalty``: transformers' rule (1.0 = off)."""
 
     temperature: float
     top_p: float = 1.0
     top_k: int = 0
+    banned: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def needs_history(self) -> bool:
+        return self.repetition_penalty != 1.0
 
-@functools.lru_cache(maxsize=64)
-def _warpers(params: SamplingParams):
+
+@functools.lru_cache(maxsize=256)
+def _warpers(temperature: float, top_k: int, top_p: float):
     from transformers.generation.logits_process import (
         LogitsProcessorList,
         TemperatureLogitsWarper,
@@ -38,12 +55,12 @@ def _warpers(params: SamplingParams):
     )
 
     chain = LogitsProcessorList()
-    if params.temperature != 1.0:
-        chain.append(TemperatureLogitsWarper(params.temperature))
-    if params.top_k > 0:
-        chain.append(TopKLogitsWarper(params.top_k))
-    if params.top_p < 1.0:
-        chain.append(TopPLogitsWarper(params.top_p))
+    if temperature not in (0.0, 1.0):
+        chain.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        chain.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        chain.append(TopPLogitsWarper(top_p))
     return chain
 
 
@@ -56,15 +73,73 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from ``logits`` ``(V,)`` or ``(1, V)``.
+def _processed(scores: torch.Tensor, params: SamplingParams, history: Sequence[int] | None) -> torch.Tensor:
+    """``scores (1, V)`` float32 after banned ids and repetition penalty (a copy when changed)."""
+    if params.banned:
+        scores = scores.clone()
+        scores[0, list(params.banned)] = float("-inf")
+    if params.needs_history and history:
+        from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    ``int(...)`` synchronises with the device once per token; unavoidable, since mods receive
-    the sampled id as a Python int.
-    """
-    scores = logits.reshape(1, -1)
+        ids = torch.tensor([list(history)], dtype=torch.long, device=scores.device)
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores.clone())
     if params.greedy:
-        return int(torch.argmax(scores, dim=-1))
-    scores = _warpers(params)(None, scores.float())
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, num_samples=1, generator=generator))
+        return scores
+    return _warpers(params.temperature, params.top_k, params.top_p)(None, scores)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from ``logits`` ``(V,)`` or ``(1, V)`` (one host read)."""
+    return sample_rows([SampleRow(logits, params, generator)])[0].token
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    logits: torch.Tensor  # (V,) or (1, V)
+    params: SamplingParams
+    generator: torch.Generator
+    history: Sequence[int] | None = None  # the request's tokens so far (repetition penalty)
+    logprobs: int = -1  # -1: none; 0: the chosen token's; k > 0: also the k most likely
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None
+
+
+def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
+    """One token per row; ids (and asked-for log-probs) reach the host in one read."""
+    chosen: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
+    scores: list[torch.Tensor | None] = [None] * len(rows)
+    plain_greedy = [i for i, r in enumerate(rows)
+                    if r.params.greedy and not r.params.banned and not r.params.needs_history and r.logprobs < 0]
+    if plain_greedy:
+        stacked = torch.stack([rows[i].logits.reshape(-1) for i in plain_greedy])  # (G, V)
+        ids = torch.argmax(stacked, dim=-1)
+        for j, i in enumerate(plain_greedy):
+            chosen[i] = ids[j]
+    for i, row in enumerate(rows):
+        if chosen[i] is not None:
+            continue
+        s = _processed(row.logits.reshape(1, -1).float(), row.params, row.history)  # (1, V)
+        scores[i] = s
+        if row.params.greedy:
+            chosen[i] = torch.argmax(s, dim=-1)[0]
+        else:
+            probs = torch.softmax(s, dim=-1)
+            chosen[i] = torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0]
+    tokens = torch.stack(chosen).tolist()  # the step's one host read
+    results = []
+    for i, row in enumerate(rows):
+        if row.logprobs < 0:
+            results.append(SampleResult(int(tokens[i])))
+            continue
+        logp = torch.log_softmax(scores[i][0], dim=-1)  # type: ignore[index]
+        top = None
+        if row.logprobs > 0:
+            values, indices = logp.topk(row.logprobs)
+            top = tuple(zip(indices.tolist(), values.tolist()))
+        results.append(SampleResult(int(tokens[i]), float(logp[tokens[i]]), top))
+    return results

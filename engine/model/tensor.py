@@ -21,10 +21,21 @@ __all__ = ["TensorShim", "as_torch"]
 
 
 class TensorShim:
-    __slots__ = ("_tensor",)
+    """``readonly``: the tensors events hand mods are the engine's own (a row of the batch's
+    logits, a slice of captured internals); writing into them would change what the engine samples
+    while the payload records a Noop, so writes raise. A mod changes logits by returning
+    ``AdjustedLogits`` with an edited copy (``to_numpy()`` already returns a copy)."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    __slots__ = ("_tensor", "_readonly")
+
+    def __init__(self, tensor: torch.Tensor, *, readonly: bool = False) -> None:
         self._tensor = tensor
+        self._readonly = readonly
+
+    def _check_writable(self) -> None:
+        if self._readonly:
+            raise TypeError("this tensor is read-only (it is the engine's own); edit a copy from to_numpy() and "
+                            "return it with actions.adjust_logits(...) / AdjustedLogits(...)")
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> "TensorShim":
@@ -64,13 +75,15 @@ class TensorShim:
         return self._tensor.dtype
 
     def copy_(self, array: np.ndarray) -> "TensorShim":
+        self._check_writable()
         self._tensor.copy_(torch.as_tensor(np.asarray(array), dtype=self._tensor.dtype))
         return self
 
     def __getitem__(self, key: Any) -> "TensorShim":
-        return TensorShim(self._tensor[key])
+        return TensorShim(self._tensor[key], readonly=self._readonly)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        self._check_writable()
         self._tensor[key] = as_torch(value, device=self._tensor.device, dtype=self._tensor.dtype)
 
     def __float__(self) -> float:

@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine
 from engine.services.sae import SAE_REGISTRY, SAEEncoder
-from tests.helpers import build_config
+from tests.helpers import build_config, forward_prompt
 
 PROMPT = "Tell me about dragons"
 COMMITTED = "smollm2-135m-instruct-l16"
@@ -33,14 +33,7 @@ def test_the_committed_sae_fits_the_embedded_model_and_reconstructs_it(engine):
     assert report["heldout"]["explained_variance"] > 0.5
     # a fresh positive control on text the SAE never saw: it explains most of the variance
     ids = engine.encode("The lighthouse keeper found a bottle with a letter inside.")
-    backend = engine.backend
-    backend.capture_hidden_layers([16])
-    try:
-        backend.prefill("sae-ev", ids, 1)
-        hidden = backend.get_hidden_states("sae-ev", 16).tensor[1:]
-    finally:
-        backend.release("sae-ev")
-        backend.capture_hidden_layers([])
+    hidden = forward_prompt(engine.backend, ids, ["blocks.16.hook_resid_post"]).captured.hidden[16][1:]
     with torch.no_grad():
         recon = encoder.sae.decode(encoder.sae.encode(hidden))
     ev = 1 - ((hidden - recon) ** 2).sum() / ((hidden - hidden.mean(0)) ** 2).sum()

@@ -6,11 +6,14 @@ Each test compares with the mod-free output (positive control) and checks the ev
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
 
 from engine.core.result import FinishReason
+from engine.core.stream import Erased
 from mods import (
     Added,
     AdjustedLogits,
@@ -35,11 +38,23 @@ def ids(text: str) -> list[int]:
     return TOK.encode(text)
 
 
+@dataclass
+class Trace:
+    """What a run did to the request's sequence: ``rewinds`` are the sizes of its erasures (from
+    its token stream), ``forward_count`` the scripted model's forwards."""
+
+    rewinds: list[int]
+    forward_count: int
+
+
 def run(mods=(), script="hello world", prompt="Q:", **kw):
     eng = scripted_engine(script, **kw)
-    result = eng.generate(input_ids=ids(prompt), mods=list(mods))
+    handle = eng.submit(input_ids=ids(prompt), mods=list(mods))
+    rewinds = [e.n for e in handle if isinstance(e, Erased)]
+    result = handle.result(timeout=30)
     assert_payload_valid(result.payload)
-    return result, eng.backend
+    eng.close()
+    return result, Trace(rewinds, eng.backend.forward_count)
 
 
 def on(event_cls, action_factory, *, step=None, once=True):

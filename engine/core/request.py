@@ -1,0 +1,150 @@
+"""One request in the step loop: what was asked (:class:`GenerationRequest`) and everything its
+generation knows so far (:class:`RequestState`). The batch owns only tensors; each request owns its
+mods, forced queue, sampling generator, payload, capture plan and stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from engine.core.result import FinishReason, IgnoredAction
+from engine.model.backend import ForwardRecord, RowOutput
+from engine.model.capture import CapturePlan
+from engine.model.sampling import SamplingParams
+from mods.manager import ModCall, ModManager
+from mods.types import ModAction, ModEvent
+
+__all__ = ["GenerationRequest", "RequestState", "Recorder", "HiddenSink", "ForwardRecord"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    input_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    step_limit: int
+    seed: int | None = None
+    logprobs: int = -1  # -1: none; 0: each token's log-prob; k > 0: also its k best alternatives
+    attention_all_layers: bool = False  # stream every layer's newest attention row with each token
+
+
+class HiddenSink(Protocol):
+    """Where the hidden states of every forward of a request go (SAE encoding), when subscribed."""
+
+    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
+
+
+class Recorder(Protocol):
+    """Where the loop reports events, mod calls and what became of each action (the payload)."""
+
+    def event(self, event: ModEvent) -> int: ...
+
+    def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]: ...
+
+    def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None) -> None: ...
+
+
+class StreamSink(Protocol):
+    """Where committed and erased tokens are announced as they happen (a request's stream)."""
+
+    def committed(self, tokens: Sequence[int], forced: bool, sample: Any, attention: Any) -> None: ...
+
+    def erased(self, n: int) -> None: ...
+
+
+@dataclass
+class RequestState:
+    """Everything one request's generation knows; handed to every rule and step helper.
+
+    ``prompt_ids + generated`` is what the model reads; the first ``cached`` of those positions
+    have keys/values in the request's cache slot, and ``output`` holds the newest forward's logits
+    and internals (None when the next step must run a forward first).
+    """
+
+    request: GenerationRequest
+    manager: ModManager
+    recorder: Recorder
+    generator: torch.Generator
+    plan: CapturePlan
+    prompt_ids: list[int]
+    max_tokens: int
+    forced_queue: list[int]
+    event_layer: int
+    on_event: Callable[[ModEvent], None] | None = None
+    hidden_sink: HiddenSink | None = None
+    stream: StreamSink | None = None
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)  # per generated token, when asked for
+    step: int = 0
+    finish: FinishReason | None = None
+    forced_output: list[int] | None = None
+    tool_calls: list[Any] | None = None
+    error: str | None = None
+    events: list[ModEvent] = field(default_factory=list)
+    actions: list[ModAction] = field(default_factory=list)
+    ignored: list[IgnoredAction] = field(default_factory=list)
+    cached: int = 0
+    output: RowOutput | None = None
+    prefilled: bool = False
+    cancelled: bool = False
+    # per step
+    force_accepted: bool = False
+    step_committed: list[int] = field(default_factory=list)
+    prefill_ms: float = 0.0
+    started_at: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def needs_forward(self) -> bool:
+        return self.cached < self.length or self.output is None
+
+    def commit(self, tokens: Sequence[int], *, forced: bool, sample: Any = None, attention: Any = None) -> None:
+        self.generated.extend(tokens)
+        self.step_committed.extend(tokens)
+        if self.request.logprobs >= 0:
+            first = sample.logprob if sample is not None else None
+            self.logprobs.extend([first] + [None] * (len(tokens) - 1))
+        if self.stream is not None:
+            self.stream.committed(tokens, forced, sample, attention)
+
+    def erase(self, n: int) -> None:
+        """Drop the newest ``n`` generated tokens: a position move. The last kept token is fed
+        again if its keys/values were overwritten-to-be, so the next forward predicts after it."""
+        if n <= 0:
+            return
+        del self.generated[len(self.generated) - n:]
+        del self.logprobs[len(self.generated):]
+        del self.step_committed[max(0, len(self.step_committed) - n):]
+        keep = self.length
+        if self.cached > keep:
+            self.cached = keep - 1
+            self.output = None
+        if self.stream is not None:
+            self.stream.erased(n)
+
+    def take_queue(self) -> list[int]:
+        tokens = list(self.forced_queue)
+        self.forced_queue.clear()
+        return tokens
+
+    def fail(self, message: str) -> None:
+        """End the request with finish reason ``error`` (its neighbours are unaffected)."""
+        if self.finish is None or self.finish is not FinishReason.ERROR:
+            self.finish, self.error = FinishReason.ERROR, message
