@@ -152,6 +152,10 @@ class GenerationConfig:
     ``top_k = 0`` and ``top_p = 1`` disable those filters; ``temperature = 0`` is greedy.
     ``step_limit`` bounds loop iterations, because Backtrack can erase tokens and a mod could
     otherwise keep a request alive forever (None: ``4 * max_tokens + 64``).
+    ``mod_call_timeout_s``: a mod call that has not returned by then ends its request with finish
+    reason ``error`` and frees its batch slot (the stuck call is abandoned; None or 0: no limit).
+    ``mod_dirs``: the only directories directory-form mod payloads may load from (none by default:
+    a payload naming a path runs code from this machine's disk, so the operator opts in).
     """
 
     max_tokens: int = 2048
@@ -162,8 +166,17 @@ class GenerationConfig:
     seed: int | None = None
     ignore_eos: bool = False
     step_limit: int | None = None
+    mod_call_timeout_s: float | None = 30.0
+    mod_dirs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        _require(self, "", [
+            ("mod_call_timeout_s", self.mod_call_timeout_s is None or (
+                _is_real(self.mod_call_timeout_s) and math.isfinite(self.mod_call_timeout_s)
+                and self.mod_call_timeout_s >= 0), "a finite number >= 0 (0 or null: no limit)"),
+            ("mod_dirs", isinstance(self.mod_dirs, (tuple, list)) and all(isinstance(d, str) for d in self.mod_dirs),
+             "a list of directory paths"),
+        ])
         # Types first, so a string or a float from a JSON request gets our message, not a TypeError.
         # Integers are bounded by the ingest schema (32-bit signed) and seeds by torch.Generator
         # (64-bit unsigned); floats must be finite, since NaN compares false with every bound.

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from engine.config import GenerationConfig, RaylensConfig, load_config
+from engine.config import GenerationConfig, RaylensConfig, check_request_id, load_config
 from engine.core.request import GenerationRequest, HiddenSink, RequestState
 from engine.core.result import FinishReason, GenerationResult
 from engine.core.rules import Rules
@@ -45,11 +45,12 @@ __all__ = ["Engine", "load_mods"]
 MAX_TOP_LOGPROBS = 20
 
 
-def load_mods(specs: Sequence[ModSpec] | None) -> list[Callable[..., Any]]:
+def load_mods(specs: Sequence[ModSpec] | None, *, allowed_dirs: Sequence[str] = ()) -> list[Callable[..., Any]]:
     """Resolve mods with ``max.driver.Tensor`` bound to the engine's tensor class first, so a mod
-    that imports it at load time builds tensors the engine produces."""
+    that imports it at load time builds tensors the engine produces. Directory payloads load only
+    from ``allowed_dirs`` (the config's ``generation.mod_dirs``)."""
     install_legacy_names(tensor_class=TensorShim)
-    return resolve_mods(specs)
+    return resolve_mods(specs, allowed_dirs=allowed_dirs)
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -271,8 +272,8 @@ class Engine:
         if attention not in (None, "all"):
             raise InvalidRequestError(f"`attention` must be None or 'all', got {attention!r}", parameter="attention",
                                       value=attention)
-        loaded = load_mods(mods)
-        request_id = request_id or str(uuid.uuid4())
+        loaded = load_mods(mods, allowed_dirs=gen.mod_dirs)
+        request_id = check_request_id(request_id) if request_id is not None else str(uuid.uuid4())
         stop_ids = frozenset(gen.stop_tokens or ()) | (frozenset() if gen.ignore_eos else frozenset(info.eos_token_ids))
         request = GenerationRequest(
             request_id=request_id, input_ids=tuple(ids), max_tokens=gen.max_tokens,
@@ -299,8 +300,8 @@ class Engine:
             "user_prompt": user_prompt,
             "user_prompt_token_ids": self.tokenizer.encode(user_prompt, add_special_tokens=False)
             if user_prompt else None,
-        })
-        manager = ModManager(loaded, tokenizer=self.tokenizer)
+        }, limits=self.config.ingest)
+        manager = ModManager(loaded, tokenizer=self.tokenizer, call_timeout_s=gen.mod_call_timeout_s or None)
         handle = RequestHandle(request_id)
         state = RequestState(
             request=request, manager=manager, recorder=recorder,
@@ -371,6 +372,7 @@ class Engine:
         """Runs on a finisher thread once the request left the batch."""
         state = entry.state
         try:
+            state.manager.close()
             state.manager.forced_queues.pop(state.request_id, None)
             state.manager.forced_reason_queues.pop(state.request_id, None)
             elapsed_ms = (time.perf_counter() - state.started_at) * 1000.0

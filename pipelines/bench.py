@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["BenchRow", "run_bench", "run_sae_bench", "run_ray_bench", "run_strategy_bench", "run_cli", "main"]
+__all__ = ["BenchRow", "run_bench", "run_sae_bench", "run_ray_bench", "run_strategy_bench", "run_cli", "main",
+           "run_internals_bench"]
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -56,9 +57,10 @@ def run_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3,
     model = backend.model
     ids = engine.encode(PROMPT)
     original = (backend.config.extract_hidden_states, backend.config.extract_attention)
+    # bare generate runs the same attention implementation: SDPA behind a wrapper that captures
+    # nothing unless a row asks
 
     def bare_generate() -> int:
-        backend.set_capture(hidden_states=False, attention=False)  # stock SDPA on every layer
         input_ids = torch.tensor([ids], device=backend.device)
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
@@ -67,7 +69,7 @@ def run_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3,
 
     def engine_path(hidden: bool, attention: bool, mods: list[Any] | None = None) -> Callable[[], int]:
         def run() -> int:
-            backend.set_capture(hidden_states=hidden, attention=attention)
+            engine.set_capture(hidden_states=hidden, attention=attention)
             result = engine.generate(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
                                      mods=mods)
             return len(result.output_ids)
@@ -94,7 +96,7 @@ def run_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3,
                 runs[name].append(produced / elapsed)
                 progress(f"repeat {r + 1}/{repeats}  {name:<40} {produced / elapsed:8.1f} tok/s")
     finally:
-        backend.set_capture(hidden_states=original[0], attention=original[1])
+        engine.set_capture(hidden_states=original[0], attention=original[1])
     baseline = statistics.median(runs["hf model.generate (bare)"])
     rows = [BenchRow(name, statistics.median(v), statistics.median(v) / baseline, v) for name, v in runs.items()]
     return {
@@ -193,17 +195,24 @@ def run_strategy_bench(engine: Any, *, repeats: int = 50) -> dict[str, Any]:
     from mods.strategies.base import token_texts
     from mods.strategies.strategy_constructor import CharsMode, CharsStrat, ChoicesStrat
 
+    from engine.model.backend import ForwardRow
+
     backend, tokenizer = engine.backend, engine.tokenizer
     rid = "bench-strategy"
-    backend.prefill(rid, engine.encode(PROMPT), 8)
+    ids = engine.encode(PROMPT)
+    backend.acquire(rid)
     try:
-        event = backend.forward_pass(rid, 0)
+        out = backend.forward([ForwardRow(rid, 0, tuple(ids))])[0]
         forward_ms = []
         for step in range(1, 11):
-            backend.add_token(rid, step, [int(event.logits.tensor.argmax())], False)
+            ids.append(int(out.logits.argmax()))
             started = time.perf_counter()
-            event = backend.forward_pass(rid, step)
+            out = backend.forward([ForwardRow(rid, len(ids) - 1, (ids[-1],))])[0]
             forward_ms.append((time.perf_counter() - started) * 1000)
+        from mods.types import ForwardPass
+        from engine.model.tensor import TensorShim
+
+        event = ForwardPass(rid, 10, TensorShim(out.logits[None, :], readonly=True), input_ids=list(ids))
         started = time.perf_counter()
         token_texts(tokenizer)  # the one-time vocabulary table (once per tokenizer per process)
         table_ms = (time.perf_counter() - started) * 1000
@@ -385,9 +394,29 @@ def format_sae(report: dict[str, Any]) -> str:
 def run_cli(args: argparse.Namespace) -> int:
     from engine import Engine
 
+    from .bench_batching import build_random_model, format_concurrency, run_concurrency_bench
+
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    overrides: dict[str, dict[str, Any]] = {}
+    if getattr(args, "random_model", None):
+        path = build_random_model(args.random_model, progress=progress)
+        overrides["backend"] = {"model_id": str(path), "device": "cuda", "dtype": "bfloat16"}
+    concurrency = sorted(set(getattr(args, "concurrency", None) or []))
+    if concurrency:
+        overrides.setdefault("backend", {})["max_batch"] = max(concurrency)
     print("raylens bench: loading model…", file=sys.stderr, flush=True)
-    with Engine.from_config(args.config) as engine:
+    with Engine.from_config(args.config, overrides=overrides or None) as engine:
+        if getattr(args, "internals", False):  # its own rows only: embeddings and named capture
+            return _internals_cli(engine, args, progress)
+        if concurrency:
+            report = {"concurrency": run_concurrency_bench(engine, concurrency=concurrency,
+                                                           new_tokens=args.new_tokens, repeats=args.repeats,
+                                                           progress=progress)}
+            print(format_concurrency(report["concurrency"]))
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+            return 0
         report = run_bench(engine, new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
         if args.sae:
             report["sae"] = run_sae_bench(engine, new_tokens=args.new_tokens, repeats=args.repeats,
@@ -408,6 +437,102 @@ def run_cli(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
         print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------ embeddings and named capture
+
+INTERNALS_SENTENCES = ["n : Nat\n⊢ n + 0 = n", "The lighthouse keeper climbed the stairs at dusk.",
+                       "xs : List Nat\nh : xs ≠ []\n⊢ xs.length > 0", "What makes a good cup of tea?",
+                       "def add(a, b):\n    return a + b", "Maps were drawn on clay tablets long before paper."]
+
+
+def _internals_texts(n: int) -> list[str]:
+    """``n`` texts of varied lengths (one to four sentences), the same on every run."""
+    k = len(INTERNALS_SENTENCES)
+    return [" ".join(INTERNALS_SENTENCES[(i + j) % k] for j in range(1 + i % 4)) for i in range(n)]
+
+
+def run_internals_bench(engine: Any, *, texts: int = 32, repeats: int = 3,
+                        progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Embeddings per second, batched vs one text per call; and the cost of a full named-tensor
+    dump (every internal of every layer) beside a plain forward of the same decoder stack with a
+    fresh KV cache, in memory and written to disk. Runs are interleaved like the other rows."""
+    import tempfile
+
+    import torch
+    from transformers import DynamicCache
+
+    from engine.model.named_capture import capture
+
+    model = engine.backend.model
+    corpus = _internals_texts(texts)
+    engine.embed(corpus[:4])  # warm-up
+    rates: dict[str, list[float]] = {"batched (16 per forward)": [], "one text per call": []}
+    for r in range(repeats):
+        started = time.perf_counter()
+        engine.embed(corpus, batch_size=16)
+        rates["batched (16 per forward)"].append(len(corpus) / (time.perf_counter() - started))
+        started = time.perf_counter()
+        for text in corpus:
+            engine.embed([text])
+        rates["one text per call"].append(len(corpus) / (time.perf_counter() - started))
+        progress(f"repeat {r + 1}/{repeats}  embeddings/s: batched {rates['batched (16 per forward)'][-1]:.1f}, "
+                 f"one by one {rates['one text per call'][-1]:.1f}")
+
+    ids = engine.encode(PROMPT)
+    device = next(model.parameters()).device
+    with tempfile.TemporaryDirectory() as tmp:
+        def plain() -> None:
+            with torch.inference_mode():
+                model.base_model(input_ids=torch.tensor([ids], device=device),
+                                 past_key_values=DynamicCache(config=model.config), use_cache=True)
+
+        paths: dict[str, Callable[[], Any]] = {
+            "plain forward": plain,
+            "full dump, in memory": lambda: capture(model, ids, ["*"]),
+            "full dump, written (safetensors + manifest)": lambda: capture(model, ids, ["*"], out=tmp),
+        }
+        dump = capture(model, ids, ["*"], out=tmp)  # warm-up, and the dump's size
+        ms: dict[str, list[float]] = {name: [] for name in paths}
+        for r in range(repeats * 3):
+            for name, fn in paths.items():
+                started = time.perf_counter()
+                fn()
+                ms[name].append((time.perf_counter() - started) * 1000)
+        progress("capture ms: " + ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in ms.items()))
+    plain_ms = statistics.median(ms["plain forward"])
+    return {
+        "machine": _machine(engine.backend), "model": engine.backend.info.model_id,
+        "texts": len(corpus),
+        "mean_text_tokens": statistics.mean(len(engine.tokenizer(t)["input_ids"]) for t in corpus),
+        "embeddings_per_s": {name: statistics.median(v) for name, v in rates.items()},
+        "prompt_tokens": len(ids), "dump_tensors": len(dump),
+        "dump_mib": sum(t.numel() * t.element_size() for t in dump.values()) / 2**20,
+        "capture_ms": {name: statistics.median(v) for name, v in ms.items()},
+        "capture_ratio": {name: statistics.median(v) / plain_ms for name, v in ms.items()},
+    }
+
+
+def format_internals(report: dict[str, Any]) -> str:
+    emb, cap, ratio = report["embeddings_per_s"], report["capture_ms"], report["capture_ratio"]
+    one = emb["one text per call"]
+    lines = [f"{report['texts']} texts of {report['mean_text_tokens']:.0f} tokens on average, "
+             f"{report['machine']['device']} ({report['machine']['dtype']})", "",
+             "| embeddings | texts/s | vs one by one |", "|---|---|---|"]
+    lines += [f"| {name} | {rate:.1f} | {rate / one:.2f} |" for name, rate in emb.items()]
+    lines += ["", f"capture of {report['prompt_tokens']} prompt tokens: {report['dump_tensors']} tensors, "
+                  f"{report['dump_mib']:.1f} MiB", "", "| forward | ms | vs plain |", "|---|---|---|"]
+    lines += [f"| {name} | {cap[name]:.1f} | {ratio[name]:.2f} |" for name in cap]
+    return "\n".join(lines)
+
+
+def _internals_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    report = {"internals": run_internals_bench(engine, repeats=args.repeats, progress=progress)}
+    print(format_internals(report["internals"]))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
     return 0
 
 

@@ -63,6 +63,7 @@ from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
 from engine.model.tensor import TensorShim, as_torch
 from mods.manager import ModCall
+from mods.validation import InvalidActionError, check_action_values, check_token_ids
 from mods.types import (
     Added,
     AdjustedLogits,
@@ -123,7 +124,8 @@ class Rules:
             state.on_event(event)
         index = state.recorder.event(event)
         calls = state.manager.dispatch_traced(event)
-        return [_Call(c, i) for c, i in zip(calls, state.recorder.calls(index, calls))]
+        items = [_Call(c, i) for c, i in zip(calls, state.recorder.calls(index, calls))]
+        return items if self.check_fatal_calls(items) else []
 
     def applied(self, item: _Call, note: str | None = None, action: ModAction | None = None) -> None:
         action = action if action is not None else item.call.action
@@ -141,14 +143,44 @@ class Rules:
             if not isinstance(item.call.action, Noop):
                 self.ignored(item, f"a {type(after).__name__} earlier in this phase ended processing")
 
+    def fault(self, item: _Call, reason: str, action: ModAction | None = None) -> None:
+        """A mod handed back a value the engine cannot use: the action is recorded as not applied
+        and the request ends with finish reason ``error`` naming the mod (its neighbours go on)."""
+        action = action if action is not None else item.call.action
+        self.ignored(item, reason, action)
+        self.state.fail(f"mod {item.call.mod_name} returned an unusable {type(action).__name__} at "
+                        f"{item.call.event_type} step {self.state.step}: {reason}")
+
+    def valid(self, item: _Call, action: ModAction | None = None) -> bool:
+        """Check every value of the action before it is applied (token ids in the vocabulary,
+        finite logits, a usable temperature); a bad one is a :meth:`fault`."""
+        action = action if action is not None else item.call.action
+        try:
+            check_action_values(action, self.vocab_size, logits=False)
+        except InvalidActionError as err:
+            self.fault(item, str(err), action)
+            return False
+        return True
+
     def valid_ids(self, item: _Call, ids: Sequence[int] | None, what: str) -> list[int] | None:
-        """``ids`` as ints if all are in the vocabulary; otherwise record the action as ignored."""
-        tokens = [int(t) for t in ids or []]
-        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            self.ignored(item, f"{what} holds token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        """``ids`` as ints if all are token ids in the vocabulary; otherwise a :meth:`fault`."""
+        try:
+            return check_token_ids(ids if ids is not None else [], self.vocab_size, field=what)
+        except InvalidActionError as err:
+            self.fault(item, str(err))
             return None
-        return tokens
+
+    def check_fatal_calls(self, calls: Sequence[_Call]) -> bool:
+        """A call that timed out or raised a BaseException ends the request (the mod cannot be
+        trusted to go on); True when the request may continue."""
+        for item in calls:
+            call = item.call
+            if getattr(call, "fatal", False):
+                what = call.exception.message if call.exception is not None else "failed"
+                kind = call.exception.type if call.exception is not None else "error"
+                self.state.fail(f"mod {call.mod_name} failed on {call.event_type} step {call.step}: {kind}: {what}")
+                return False
+        return True
 
     # ------------------------------------------------------------------------------- events
 
@@ -220,9 +252,9 @@ class Rules:
     def backtrack(self, item: _Call, already_erased: int) -> list[int] | None:
         """Erase per the phase rule; return the tokens to reinject (None if the action was ignored)."""
         action: Backtrack = item.call.action  # type: ignore[assignment]
-        reinject = self.valid_ids(item, action.tokens, "Backtrack.tokens")
-        if reinject is None:
+        if not self.valid(item):
             return None
+        reinject = [int(t) for t in action.tokens or []]
         wanted = max(0, int(action.n) - already_erased)
         erase = min(wanted, len(self.state.generated))
         self.state.erase(erase)
@@ -300,16 +332,20 @@ class Rules:
 
     def adjust_logits(self, item: _Call, action: AdjustedLogits, plan: StepPlan) -> None:
         vocab = self.vocab_size
+        if not self.valid(item):  # token_temp: None, 0 (greedy) or finite > 0
+            return
         try:
             logits = as_torch(action.logits, device=self.device, dtype=torch.float32).reshape(-1)
         except Exception as err:  # a mod handed us something that is not a tensor
-            return self.ignored(item, f"AdjustedLogits.logits is not a tensor: {err}")
+            return self.fault(item, f"AdjustedLogits.logits is not a tensor of numbers: {err}")
         if logits.shape[0] != vocab:
-            return self.ignored(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
-                                      f"got {logits.shape[0]}")
+            return self.fault(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
+                                    f"got {logits.shape[0]}")
+        # one device read: NaN or +inf anywhere, or nothing finite left, cannot be sampled from
+        if bool(torch.isnan(logits).any() | torch.isposinf(logits).any() | torch.isneginf(logits).all()):
+            return self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
+                                    "finite entry; got NaN, +inf or -inf everywhere")
         temp = action.token_temp
-        if temp is not None and (not isinstance(temp, (int, float)) or temp < 0):
-            return self.ignored(item, f"AdjustedLogits.token_temp must be None or >= 0, got {temp!r}")
         base = self.state.request.sampling
         plan.logits = logits
         plan.sampling = base if temp is None else SamplingParams(float(temp), base.top_p, base.top_k, base.banned,

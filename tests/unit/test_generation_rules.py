@@ -198,10 +198,10 @@ def test_adjusted_logits_last_one_wins():
     assert result.output_ids[0] == ids("b")[0]
 
 
-def test_adjusted_logits_with_wrong_width_is_ignored_with_a_reason():
-    result, _ = run([on(ForwardPass, lambda e: AdjustedLogits(np.zeros((1, 7), np.float32)), step=0)])
-    assert result.output_text == "hello world"
-    assert "entries" in result.ignored_actions[0].reason
+def test_adjusted_logits_with_wrong_width_end_the_request_with_a_reason():
+    result, _ = run([on(ForwardPass, lambda e: AdjustedLogits(np.zeros((1, 7), np.float32)), step=1)])
+    assert result.finish_reason is FinishReason.ERROR and result.output_text == "h"
+    assert "entries" in result.ignored_actions[0].reason and "entries" in result.error
 
 
 def test_token_temp_zero_samples_greedily():
@@ -297,10 +297,31 @@ def test_eos_inside_a_forced_chunk_commits_the_chunk_then_stops():
     assert result.finish_reason is FinishReason.STOP
 
 
-def test_force_tokens_outside_the_vocabulary_are_ignored_with_a_reason():
-    result, _ = run([on(ForwardPass, lambda e: ForceTokens([5000]), step=0)])
-    assert result.output_text == "hello world"
-    assert "outside [0, 128)" in result.ignored_actions[0].reason
+def test_force_tokens_outside_the_vocabulary_end_the_request_with_an_error_naming_the_mod():
+    result, _ = run([on(ForwardPass, lambda e: ForceTokens([5000]), step=1)])
+    assert result.finish_reason is FinishReason.ERROR
+    assert result.output_text == "h"  # what was generated before the fault is kept
+    assert "mod on_ForwardPass_1" in result.error and "in [0, 128)" in result.error
+    assert "in [0, 128)" in result.ignored_actions[0].reason
+
+
+@pytest.mark.parametrize("bad,expected", [
+    (lambda e: ForceTokens([-1]), "in [0, 128)"),
+    (lambda e: Backtrack(-2, None), "must be >= 0"),
+    (lambda e: AdjustedLogits(np.full((1, 128), np.nan, dtype=np.float32)), "NaN"),
+    (lambda e: AdjustedLogits(np.full((1, 128), -np.inf, dtype=np.float32)), "-inf everywhere"),
+    (lambda e: AdjustedLogits(e.logits, token_temp=float("nan")), "token_temp"),
+    (lambda e: AdjustedLogits(e.logits, token_temp=-1.0), "token_temp"),
+    (lambda e: AdjustedLogits(e.logits, token_temp=float("inf")), "token_temp"),
+])
+def test_unusable_action_values_end_the_request_never_the_loop(bad, expected):
+    result, _ = run([on(ForwardPass, bad, step=2)])
+    assert result.finish_reason is FinishReason.ERROR, result.output_text
+    assert expected in result.error and "on_ForwardPass_2" in result.error
+    assert result.output_text == "he"
+    assert_payload_valid(result.payload)
+    healthy, _ = run()  # positive control: the same engine code runs on
+    assert healthy.output_text == "hello world"
 
 
 def test_step_limit_stops_a_mod_that_backtracks_forever():
@@ -329,8 +350,9 @@ def test_prefilled_context_info_carries_what_legacy_mods_read():
     (Prefilled, lambda e: AdjustedPrefill([1, 9999], 0), "AdjustedPrefill.tokens"),
     (Sampled, lambda e: ForceOutput([9999]), "ForceOutput.tokens"),
 ])
-def test_out_of_vocabulary_ids_in_any_action_are_ignored_with_a_reason(event_cls, factory, field):
+def test_out_of_vocabulary_ids_in_any_action_end_the_request_with_a_reason(event_cls, factory, field):
     result, _ = run([on(event_cls, factory, step=0)])
-    assert result.output_text == "hello world"
+    assert result.finish_reason is FinishReason.ERROR
     (ignored,) = result.ignored_actions
-    assert ignored.reason.startswith(f"{field} holds token ids outside [0, 128)")
+    assert ignored.reason.startswith(f"`{field}[")
+    assert "must be a token id in [0, 128)" in ignored.reason and field in result.error

@@ -1,0 +1,168 @@
+"""Benchmark: many concurrent requests through the step loop beside transformers' own batched
+``generate``, in one process, same prompts, greedy, interleaved repeats, medians.
+
+Rows for each concurrency N:
+
+* ``hf generate, padded batch of N`` — left-padded prompts, one ``model.generate`` call (dynamic
+  cache), the reference;
+* ``hf generate, static cache, batch of N`` — on CUDA only (transformers compiles the forward);
+* ``raylens, N concurrent requests`` — N requests submitted at once (default capture: hidden states
+  and attention at the configured layer), with and without a logits-adjusting mod on every one;
+* ``raylens, 1 request`` and ``hf generate, 1 request`` for the single-stream ratio.
+
+Tokens/s counts new tokens over the whole call (prefill included) for every path. On a GPU machine
+``--random-model llama31-8b`` builds Llama-3.1-8B's architecture (``configs/models/llama31-8b.json``)
+with random bf16 weights once (speed does not depend on weight values) and benchmarks that.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["run_concurrency_bench", "format_concurrency", "build_random_model"]
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a bicycle works.",
+    "Describe a walk through an autumn forest.",
+    "What makes a good cup of tea?",
+    "Tell me about the history of maps.",
+    "Describe the sea at night.",
+    "List five things to pack for a camping trip and say why.",
+    "How do bees make honey?",
+]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _prompts(n: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" (take {i // len(PROMPTS) + 1})")
+            for i in range(n)]
+
+
+def _logits_mod():
+    from mods import ForwardPass, mod
+
+    @mod
+    def ban_token_zero(event, actions, tokenizer):
+        if isinstance(event, ForwardPass):
+            logits = event.logits.to_numpy()
+            logits[0, 0] = -1e9
+            return actions.adjust_logits(type(event.logits).from_numpy(logits).to(event.logits.device))
+        return None
+
+    return ban_token_zero
+
+
+def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = None,
+                       progress: Callable[[str], None] = lambda _: None) -> Path:
+    """A directory ``from_pretrained`` loads: the named architecture with random bf16 weights on
+    CUDA and the embedded model's tokenizer (ids past its vocabulary decode to ""). Built once."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from engine.model.loading import resolve_model_path
+
+    spec = json.loads((REPO / "configs" / "models" / f"{name}.json").read_text())
+    target = Path(out or f"/tmp/raylens-{name}-random")
+    if (target / "config.json").is_file():
+        return target
+    progress(f"building {name} with random bf16 weights in {target} (once)…")
+    started = time.perf_counter()
+    config = LlamaConfig(**{k: v for k, v in spec.items() if not k.startswith("_")})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(resolve_model_path("embedded:smollm2-135m-instruct")).save_pretrained(target)
+    del model
+    torch.cuda.empty_cache()
+    progress(f"built in {time.perf_counter() - started:.0f} s")
+    return target
+
+
+def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: int = 64, repeats: int = 3,
+                          progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    import torch
+
+    backend = engine.backend
+    model, tokenizer = backend.model, engine.tokenizer
+    device = backend.device
+    logits_mod = _logits_mod()
+    if max(concurrency) > backend.max_batch:
+        raise ValueError(f"`--concurrency` must be <= backend.max_batch ({backend.max_batch}), got {max(concurrency)}")
+
+    def hf_batch(ids_list: list[list[int]], static: bool = False) -> Callable[[], int]:
+        width = max(len(ids) for ids in ids_list)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in ids_list], device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in ids_list], device=device)
+        extra = {"cache_implementation": "static"} if static else {}
+
+        def run() -> int:
+            with torch.inference_mode():
+                out = model.generate(input_ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad, **extra)
+            return (out.shape[1] - width) * len(ids_list)
+        return run
+
+    def ours(ids_list: list[list[int]], mods: list[Any] | None) -> Callable[[], int]:
+        def run() -> int:
+            handles = [engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                     mods=mods) for ids in ids_list]
+            return sum(len(h.result().sequence_ids) for h in handles)
+        return run
+
+    engine.set_capture(hidden_states=True, attention=True)  # the default capture
+    paths: dict[str, Callable[[], int]] = {}
+    single = [engine.encode(PROMPTS[0])]
+    paths["hf generate, 1 request"] = hf_batch(single)
+    paths["raylens, 1 request (default capture)"] = ours(single, None)
+    paths["raylens, 1 request + logits mod"] = ours(single, [logits_mod])
+    for n in concurrency:
+        ids_list = [engine.encode(p) for p in _prompts(n)]
+        paths[f"hf generate, padded batch of {n}"] = hf_batch(ids_list)
+        if device.type == "cuda":
+            paths[f"hf generate, static cache, batch of {n}"] = hf_batch(ids_list, static=True)
+        paths[f"raylens, {n} concurrent (default capture)"] = ours(ids_list, None)
+        paths[f"raylens, {n} concurrent + logits mod each"] = ours(ids_list, [logits_mod])
+    runs: dict[str, list[float]] = {name: [] for name in paths}
+    for name, fn in paths.items():  # warm-up (and, for static caches, compilation) outside the timing
+        started = time.perf_counter()
+        fn()
+        progress(f"warm-up {name}: {time.perf_counter() - started:.1f} s")
+    for r in range(repeats):
+        for name, fn in paths.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            produced = fn()
+            elapsed = time.perf_counter() - started
+            runs[name].append(produced / elapsed)
+            progress(f"repeat {r + 1}/{repeats}  {name:<48} {produced / elapsed:9.1f} tok/s")
+    medians = {name: statistics.median(v) for name, v in runs.items()}
+    rows = []
+    for name, value in medians.items():
+        n = 1 if "1 request" in name else int(name.split("of ")[-1].split()[0]) if "batch of" in name \
+            else int(name.split(", ")[1].split()[0])
+        reference = medians["hf generate, 1 request"] if n == 1 else medians[f"hf generate, padded batch of {n}"]
+        rows.append({"path": name, "concurrency": n, "tokens_per_s": value, "vs_hf_padded": value / reference,
+                     "runs": runs[name]})
+    return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
+            "new_tokens": new_tokens, "repeats": repeats, "rows": rows}
+
+
+def format_concurrency(report: dict[str, Any]) -> str:
+    lines = [f"model {report['model']} on {report['device']} ({report['dtype']}), {report['new_tokens']} new tokens "
+             f"per request, greedy, median of {report['repeats']}", "",
+             "| path | tokens/s | vs hf generate (same N) |", "|---|---:|---:|"]
+    for row in report["rows"]:
+        lines.append(f"| {row['path']} | {row['tokens_per_s']:.1f} | {row['vs_hf_padded']:.2f}x |")
+    return "\n".join(lines)

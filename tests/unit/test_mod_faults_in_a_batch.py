@@ -1,0 +1,70 @@
+"""A stuck or crashing mod in one request never stalls or kills the others in its batch.
+
+Scripted model (tests/helpers.ScriptedBackend): every request wants to write "hello world". One
+request carries the faulty mod; its neighbour, submitted at the same time, must finish normally.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.core.result import FinishReason
+from mods import ForwardPass
+from tests.helpers import CharTokenizer, assert_payload_valid, scripted_engine
+
+TOK = CharTokenizer()
+
+
+def _pair(faulty, **generation):
+    eng = scripted_engine(**generation)
+    try:
+        bad = eng.submit(input_ids=TOK.encode("Q:"), mods=[faulty])
+        good = eng.submit(input_ids=TOK.encode("Q:"))
+        return bad.result(timeout=60), good.result(timeout=60)
+    finally:
+        eng.close()
+
+
+def test_a_mod_that_never_returns_fails_its_request_and_frees_the_batch():
+    release = threading.Event()
+
+    def stuck(event, tokenizer=None):
+        if isinstance(event, ForwardPass) and event.step == 2:
+            release.wait(30)  # far beyond the limit; released at the end so the thread exits
+        return None
+
+    try:
+        bad, good = _pair(stuck, mod_call_timeout_s=0.5)
+    finally:
+        release.set()
+    assert bad.finish_reason is FinishReason.ERROR
+    assert "stuck" in bad.error and "did not return within 0.5" in bad.error
+    assert good.finish_reason is FinishReason.STOP and good.output_text == "hello world"
+    assert_payload_valid(bad.payload)
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()], ids=lambda e: type(e).__name__)
+def test_a_mod_raising_a_base_exception_fails_its_request_only(exc):
+    def exits(event, tokenizer=None):
+        if isinstance(event, ForwardPass) and event.step == 1:
+            raise exc
+        return None
+
+    bad, good = _pair(exits)
+    assert bad.finish_reason is FinishReason.ERROR and type(exc).__name__ in bad.error
+    assert bad.output_text == "h"
+    assert good.finish_reason is FinishReason.STOP and good.output_text == "hello world"
+
+
+def test_writing_into_the_event_logits_is_refused_and_changes_nothing():
+    def writer(event, tokenizer=None):
+        if isinstance(event, ForwardPass) and event.step == 0:
+            event.logits[0, TOK.encode("h")[0]] = -1e9  # would silently change the sample
+        return None
+
+    bad, good = _pair(writer)
+    assert bad.output_text == good.output_text == "hello world"  # the write did not take effect
+    call = next(c for c in bad.payload["mod_calls"] if c["exception_occurred"])
+    assert "read-only" in call["exception_message"]
