@@ -2,7 +2,9 @@
 
 ``max_restarts`` re-runs ``__init__``, which reopens the DuckDB file (its WAL replays): a
 restarted StoreActor has every committed batch. ``append`` is idempotent by batch id, so callers
-may retry it after an ``ActorUnavailableError`` ("may have run").
+may retry it after an ``ActorUnavailableError`` ("may have run"). A retried
+``claim_request_ids`` claims other ids than a first attempt that ran: harmless, the ids it returns
+are claimed and unused.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ class StoreActor:
 
     def version(self) -> str:
         return code_version()
+
+    def db_path(self) -> str:
+        """The DuckDB file this actor owns (the topology refuses a second owner of one file)."""
+        return str(self.store.db_path)
+
+    def claim_request_ids(self, request_ids: list[str], run_id: str, max_chars: int | None = None) -> list[str]:
+        return self.store.claim_request_ids(request_ids, run_id, max_chars=max_chars)
+
+    def request_counts(self, request_ids: list[str]) -> dict[str, int]:
+        return self.store.request_counts(request_ids)
 
     def append(self, rows: pa.Table, batch_id: str, request_id: str) -> int:
         return self.store.append_activations(rows, batch_id=batch_id, request_id=request_id)

@@ -344,6 +344,59 @@ class ActivationStore:
                  list(record.prompt_ids), list(record.output_ids), record.finish_reason,
                  json.dumps(record.config, default=str)])
 
+    # --------------------------------------------------------------------- request ids per job run
+
+    def claim_request_ids(self, request_ids: Sequence[str], run_id: str, *,
+                          max_chars: int | None = None) -> list[str]:
+        """Claim an id for each request of job run ``run_id``; returns the ids to run under, in order.
+
+        An id that any earlier run used (claimed, or with rows in any table) is never reused: its
+        rows describe that run's tokens, and SAE batch ids derive from the request id, so a reused id
+        would also make the new run's blocks look stored already. Such a request runs as
+        ``<id>~<run_id>`` (``~<run_id>.<n>`` for repeats within the run). Fresh ids stay as given.
+        With ``max_chars``, an id that would be longer (the suffix included) keeps the suffix and as
+        much of the given id as fits.
+        """
+        cur = self.cursor()
+        with self._write_lock:
+            cur.execute("BEGIN TRANSACTION")
+            try:
+                taken = self._used_request_ids(cur, list(request_ids))
+                chosen: list[str] = []
+                for given in request_ids:
+                    candidate, n = given, 0
+                    while candidate in taken or (max_chars is not None and len(candidate) > max_chars):
+                        n += 1  # rare: a reused or too long id; one more look-up per try
+                        suffix = f"~{run_id}" + (f".{n}" if n > 1 else "")
+                        candidate = (given if max_chars is None else given[:max_chars - len(suffix)]) + suffix
+                        taken |= self._used_request_ids(cur, [candidate])
+                    chosen.append(candidate)
+                    taken.add(candidate)
+                cur.execute("INSERT INTO request_claims SELECT u, ?, now() FROM (SELECT unnest(?::VARCHAR[]) AS u)",
+                            [run_id, chosen])
+                cur.execute("COMMIT")
+            except Exception:
+                cur.execute("ROLLBACK")
+                raise
+        return chosen
+
+    @staticmethod
+    def _used_request_ids(cur: duckdb.DuckDBPyConnection, ids: list[str]) -> set[str]:
+        tables = ("request_claims", "requests", "write_batches", "expected_blocks", "missing_blocks",
+                  "abandoned_requests")
+        union = " UNION ALL ".join(f"SELECT request_id FROM {t}" for t in tables)  # fixed names, no input
+        rows = cur.execute(f"SELECT DISTINCT request_id FROM ({union}) WHERE list_contains(?::VARCHAR[], request_id)",
+                           [ids]).fetchall()
+        return {r for r, in rows}
+
+    def request_counts(self, request_ids: Sequence[str]) -> dict[str, int]:
+        """Rows that belong to these requests only (a job's own summary in a shared store)."""
+        cur = self.cursor()
+        ids = list(request_ids)
+        return {table: int(_scalar(cur, f"SELECT count(*) FROM {table} WHERE list_contains(?::VARCHAR[], request_id)",
+                                   [ids]))  # fixed table names; the ids are bound
+                for table in ("activations", "requests", "missing_blocks", "expected_blocks")}
+
     # ---------------------------------------------------------------------------- housekeeping
 
     def counts(self) -> dict[str, int]:

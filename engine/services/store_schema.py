@@ -116,6 +116,15 @@ MIGRATIONS: tuple[Migration, ...] = (
             abandoned_at TIMESTAMPTZ NOT NULL
         )""",
     )),
+    Migration(4, "request ids claimed by job runs", (
+        # a job claims its request ids before running them; an id an earlier run used (here, or with
+        # rows anywhere) is not reused, so stored rows never mix two runs' tokens under one id
+        """CREATE TABLE request_claims (
+            request_id VARCHAR PRIMARY KEY,
+            run_id VARCHAR NOT NULL,
+            claimed_at TIMESTAMPTZ NOT NULL
+        )""",
+    )),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
