@@ -41,6 +41,8 @@ __all__ = [
     "bundle_payload",
     "payload_for_file",
     "resolve_mods",
+    "check_payload",
+    "parse_mod_file",
 ]
 
 
@@ -350,8 +352,7 @@ def load_mod_from_payload(payload: Mapping[str, Any], *,
 def payload_for_file(spec: str | Path) -> dict[str, Any]:
     """A payload that carries a mod file's code (to run where the file does not exist, e.g. a Ray
     actor): inline source, or a bundle when the file is a module of a package."""
-    path, _ = _split_entry(spec)
-    entry = load_mod_from_path(spec).__name__  # validates the file and finds its mod
+    path, entry = parse_mod_file(spec)  # checks the file and finds its mod without running it
     source = path.read_text(encoding="utf-8")
     if _has_relative_imports(source):
         return bundle_payload(path, entry)
@@ -371,6 +372,109 @@ def bundle_payload(path: str | Path, entrypoint: str) -> dict[str, Any]:
                for p in sorted(directory.rglob("*.py")) if "__pycache__" not in p.parts}
     return {"language": "python", "entrypoint": entrypoint, "source": sources,
             "module": _bundle_module_name(str(file.relative_to(base)).replace(os.sep, "/")), "name": entrypoint}
+
+
+# ----------------------------------------------------------------------------- parse-only checks
+#
+# What a submitting machine runs on a prompts file: it reads mods to ship them, but their code must
+# run only where they are used (the generator), never where a job is merely checked. These parse.
+
+
+def _parsed(source: str, where: str, error: type[ModPayloadError] = ModPayloadError) -> ast.Module:
+    try:
+        return ast.parse(textwrap.dedent(source), filename=where)
+    except SyntaxError as err:
+        raise error(f"{where} has a syntax error at line {err.lineno}: {err.msg}") from None
+
+
+def _bound_names(tree: ast.Module) -> set[str] | None:
+    """Every name the module could bind (over-approximated: any depth), or None when a star
+    import makes that unknowable without running it."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.split(".")[0])
+    return names
+
+
+def _require_name(tree: ast.Module, name: str, where: str, error: type[ModPayloadError]) -> None:
+    names = _bound_names(tree)
+    if names is not None and name not in names:
+        raise error(f"{where} has no callable named `{name}`")
+
+
+def _decorated_by_parsing(tree: ast.Module) -> list[str]:
+    """Top-level functions decorated with ``mod`` (``@mod``, ``@sdk.mod``, ``@mod(...)``); failing
+    that, every decorated top-level function (a decorator under another name)."""
+    def name(d: ast.expr) -> str:
+        d = d.func if isinstance(d, ast.Call) else d
+        return d.attr if isinstance(d, ast.Attribute) else getattr(d, "id", "")
+
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.decorator_list]
+    marked = sorted(n.name for n in functions if any(name(d) == "mod" for d in n.decorator_list))
+    return marked or sorted(n.name for n in functions)
+
+
+def parse_mod_file(spec: str | Path) -> tuple[Path, str]:
+    """The file and the name of its mod (``file.py:name`` or its one ``@mod`` function), found by
+    parsing: the file's code does not run."""
+    path, entry = _split_entry(spec)
+    if not path.is_file():
+        raise ModLoadError(f"mod file `{path}` does not exist; pass the path of a .py file that defines a @mod function")
+    if path.suffix != ".py":
+        raise ModLoadError(f"mod file `{path}` must be a .py file")
+    tree = _parsed(path.read_text(encoding="utf-8"), f"mod file `{path}`", ModLoadError)
+    if entry is not None:
+        _require_name(tree, entry, f"`{path}`", ModLoadError)
+        return path, entry
+    found = _decorated_by_parsing(tree)
+    if len(found) == 1:
+        return path, found[0]
+    if not found:
+        raise ModLoadError(f"`{path}` defines no @mod-decorated function; add one, or name it as FILE.py:function")
+    raise ModLoadError(f"`{path}` defines several mods ({', '.join(found)}); pick one as FILE.py:function")
+
+
+def check_payload(payload: Any) -> None:
+    """Check a mod payload's shape and parse its code, without running it: what
+    :func:`load_mod_from_payload` would refuse before executing anything, plus syntax errors and
+    a missing entry point. A directory payload names paths on the machine that runs it, so only
+    its shape is checked here."""
+    if not isinstance(payload, Mapping):
+        raise ModPayloadError(f"mod payload must be a JSON object, got {type(payload).__name__}")
+    if payload.get("language") != "python":
+        raise ModPayloadError("Only Python mods are supported in v0 (payload field `language` must be \"python\")")
+    entrypoint = _require_str(payload, "entrypoint")
+    source, module = payload.get("source"), payload.get("module")
+    if isinstance(source, Mapping) and source:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in source.items()):
+            raise ModPayloadError("a bundle's `source` must map relative paths (strings) to code (strings)")
+        if not isinstance(module, str) or not module:
+            raise ModPayloadError("a bundle payload needs `module`: the dotted name of the entry module")
+        trees = {_bundle_module_name(path): _parsed(code, f"bundle file `{path}`") for path, code in source.items()}
+        if module not in trees:
+            raise ModPayloadError(f"bundle has no module `{module}` (it has {', '.join(sorted(trees))})")
+        _require_name(trees[module], entrypoint, f"bundle module `{module}`", ModPayloadError)
+    elif payload.get("dir") is not None or payload.get("files"):
+        if not isinstance(module, str) or not module:
+            raise ModPayloadError("a directory payload needs `module`: the dotted name of the entry module")
+        files = payload.get("files")
+        if payload.get("dir") is None and (not isinstance(files, list) or not all(isinstance(f, str) for f in files)):
+            raise ModPayloadError("a directory payload needs `dir` or a non-empty `files` list of paths")
+    elif isinstance(source, str) and source.strip():
+        if module is not None and not isinstance(module, str):
+            raise ModPayloadError(f"mod payload field `module` must be a string, got {module!r}")
+        tree = _parsed(source, f"inline mod `{module or 'client_mod'}`")
+        _require_name(tree, entrypoint, f"inline mod `{module or 'client_mod'}`", ModPayloadError)
+    else:
+        raise ModPayloadError("mod payload needs `source` (code, or a {path: code} bundle) or `dir`/`files`")
 
 
 # ------------------------------------------------------------------------------------ any of them
