@@ -161,6 +161,8 @@ async function init() {
   $("stop").onclick = () => state.ws && state.ws.readyState === 1 && state.ws.send(JSON.stringify({ type: "cancel" }));
   $("layer").onchange = render;
   $("head").onchange = render;
+  if (params.get("prompt")) $("prompt").value = params.get("prompt");
+  if (params.get("max_tokens")) $("max-tokens").value = params.get("max_tokens");
   if (params.get("autorun")) generate();
 }
 
