@@ -4,34 +4,71 @@ Every consumer of internals (mod events, the SAE hand-off, SAE training, named-t
 asks for tensors by these names, e.g. ``blocks.16.hook_resid_post`` (the residual stream after
 layer 16) or ``blocks.16.attn.hook_pattern`` (layer 16's post-softmax attention). A name is parsed
 once into a typed :class:`HookName`; code never matches on the string again.
+
+Each hook also has a :class:`HookSpec`: what the tensor is, its shape for one sequence of ``T``
+tokens (batch dimension dropped; ``d`` hidden size, ``h`` query heads, ``g`` key/value heads,
+``hd`` head size, ``m`` MLP width) and the name llama.cpp's graph gives the same tensor, so a
+capture can be compared with a llama.cpp eval-callback dump (llama.cpp appends ``-{layer}`` to
+per-layer names). Two spellings go beyond TransformerLens: ``attn.cache_k``/``attn.cache_v``, the
+keys and values as the KV cache holds them after the forward pass.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
+from typing import Iterable
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, LayerOutOfRangeError
 
-__all__ = ["HookName", "parse_hook_name", "resid_post", "attn_pattern", "BLOCK_HOOKS", "GLOBAL_HOOKS"]
+__all__ = ["HookName", "HookSpec", "HOOK_SPECS", "parse_hook_name", "expand_hook_names", "hook_spec", "resid_post",
+           "attn_pattern", "BLOCK_HOOKS", "GLOBAL_HOOKS"]
 
-# per-layer hooks, relative to ``blocks.{L}.``
-BLOCK_HOOKS = (
-    "hook_resid_pre",
-    "ln1.hook_normalized",
-    "attn.hook_q",
-    "attn.hook_k",
-    "attn.hook_v",
-    "attn.hook_pattern",
-    "attn.hook_z",
-    "hook_attn_out",
-    "hook_resid_mid",
-    "ln2.hook_normalized",
-    "mlp.hook_post",
-    "hook_mlp_out",
-    "hook_resid_post",
-)
-GLOBAL_HOOKS = ("hook_embed", "ln_final.hook_normalized")
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One internal: its shape for one sequence, what it is, and llama.cpp's name (None: no
+    single llama.cpp tensor holds it)."""
+
+    shape: str
+    description: str
+    llama_cpp: str | None
+
+
+# In forward order. Per-layer hooks are relative to ``blocks.{L}.``.
+_BLOCK_SPECS: dict[str, HookSpec] = {
+    "hook_resid_pre": HookSpec("(T, d)", "residual stream entering the block (the previous block's output)", None),
+    "ln1.hook_normalized": HookSpec("(T, d)", "input RMSNorm output, weight applied: what q/k/v project",
+                                    "attn_norm"),
+    "attn.hook_q": HookSpec("(T, h, hd)", "queries, q_proj output split into heads, before RoPE", "Qcur"),
+    "attn.hook_k": HookSpec("(T, g, hd)", "keys, k_proj output split into key/value heads, before RoPE", "Kcur"),
+    "attn.hook_v": HookSpec("(T, g, hd)", "values, v_proj output split into key/value heads", "Vcur"),
+    "attn.hook_rot_q": HookSpec("(T, h, hd)", "queries after RoPE: what the attention scores use", "Qcur"),
+    "attn.hook_rot_k": HookSpec("(T, g, hd)", "keys after RoPE: what the attention scores use", "Kcur"),
+    "attn.cache_k": HookSpec("(T, g, hd)", "keys as the KV cache holds them after the pass (post-RoPE)", "cache_k"),
+    "attn.cache_v": HookSpec("(T, g, hd)", "values as the KV cache holds them after the pass", "cache_v"),
+    "attn.hook_pattern": HookSpec("(h, T, T)", "post-softmax attention, causal mask applied, float32",
+                                  "kq_soft_max"),
+    "attn.hook_z": HookSpec("(T, h, hd)", "attention-weighted values per head, before o_proj", "kqv_out"),
+    "hook_attn_out": HookSpec("(T, d)", "attention output after o_proj, before the residual add", "attn_out"),
+    "hook_resid_mid": HookSpec("(T, d)", "residual stream after adding the attention output", "ffn_inp"),
+    "ln2.hook_normalized": HookSpec("(T, d)", "post-attention RMSNorm output, weight applied: the MLP input",
+                                    "ffn_norm"),
+    "mlp.hook_post": HookSpec("(T, m)", "gated activation silu(gate_proj x) * up_proj x, before down_proj",
+                              "ffn_swiglu"),
+    "hook_mlp_out": HookSpec("(T, d)", "MLP output after down_proj, before the residual add", "ffn_out"),
+    "hook_resid_post": HookSpec("(T, d)", "residual stream leaving the block", "l_out"),
+}
+_GLOBAL_SPECS: dict[str, HookSpec] = {
+    "hook_embed": HookSpec("(T, d)", "token embeddings: the residual stream entering block 0", "inp_embd"),
+    "ln_final.hook_normalized": HookSpec("(T, d)", "final RMSNorm output, weight applied: what lm_head reads",
+                                         "result_norm"),
+}
+HOOK_SPECS: dict[str, HookSpec] = {**_BLOCK_SPECS, **_GLOBAL_SPECS}
+
+BLOCK_HOOKS = tuple(_BLOCK_SPECS)
+GLOBAL_HOOKS = tuple(_GLOBAL_SPECS)
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
@@ -46,6 +83,10 @@ class HookName:
     def __str__(self) -> str:
         return self.hook if self.layer is None else f"blocks.{self.layer}.{self.hook}"
 
+    @property
+    def spec(self) -> HookSpec:
+        return HOOK_SPECS[self.hook]
+
 
 def parse_hook_name(name: str) -> HookName:
     """``blocks.3.attn.hook_q`` → ``HookName(3, "attn.hook_q")``; unknown names are refused."""
@@ -59,6 +100,54 @@ def parse_hook_name(name: str) -> HookName:
             f"`{name}` is not a known internal; use blocks.<layer>.<hook> with hook one of "
             f"{', '.join(BLOCK_HOOKS)}, or one of {', '.join(GLOBAL_HOOKS)}", parameter="names", value=name)
     return HookName(int(match.group(1)), match.group(2))
+
+
+def hook_spec(name: HookName | str) -> HookSpec:
+    """The :class:`HookSpec` of a name (parsed first when given as a string)."""
+    return (parse_hook_name(name) if isinstance(name, str) else name).spec
+
+
+def _forward_order(num_layers: int) -> list[HookName]:
+    names = [HookName(None, "hook_embed")]
+    names += [HookName(layer, hook) for layer in range(num_layers) for hook in BLOCK_HOOKS]
+    return names + [HookName(None, "ln_final.hook_normalized")]
+
+
+def expand_hook_names(patterns: Iterable[str], num_layers: int) -> list[HookName]:
+    """Every internal of a ``num_layers`` model matching any of ``patterns``, in forward order.
+
+    Patterns are shell globs (``fnmatch``, case-sensitive) over the full names:
+    ``blocks.*.hook_resid_post``, ``blocks.3.attn.*``, ``*`` for everything. A name without
+    wildcards must be exact and in range; a pattern that matches nothing is refused, because a
+    typo would otherwise silently capture less than asked.
+    """
+    if isinstance(patterns, str):
+        raise InvalidRequestError(f"`names` must be a list of names or globs, got the string {patterns!r}",
+                                  parameter="names", value=patterns)
+    patterns = list(patterns)
+    if not patterns:
+        raise InvalidRequestError("`names` must hold at least one name or glob, got []", parameter="names", value=[])
+    universe = _forward_order(num_layers)
+    wanted: set[HookName] = set()
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidRequestError(f"`names` must hold non-empty strings, got {pattern!r}", parameter="names",
+                                      value=pattern)
+        if not any(c in pattern for c in "*?["):
+            name = parse_hook_name(pattern)
+            if name.layer is not None and not 0 <= name.layer < num_layers:
+                raise LayerOutOfRangeError(
+                    f"`names` must use layers in [0, {num_layers - 1}] for this model, got `{pattern}`",
+                    parameter="names", value=pattern)
+            wanted.add(name)
+            continue
+        matched = {name for name in universe if fnmatch.fnmatchcase(str(name), pattern)}
+        if not matched:
+            raise InvalidRequestError(
+                f"`names` pattern `{pattern}` must match at least one internal, e.g. blocks.*.hook_resid_post, "
+                f"blocks.3.attn.*, *; got no match", parameter="names", value=pattern)
+        wanted |= matched
+    return [name for name in universe if name in wanted]
 
 
 def resid_post(layer: int) -> HookName:

@@ -1,0 +1,120 @@
+"""Text embeddings: pooled hidden states of one fresh forward pass per batch.
+
+The default is the common "one network, two heads" recipe: the final hidden states after the
+model's final norm (what the LM head reads), averaged over the text's tokens. ``layer=L`` pools
+the residual stream after block ``L`` (``blocks.{L}.hook_resid_post``) instead; ``pool="last"``
+takes the last token's vector, which under causal attention is the only position that has read
+the whole text.
+
+Texts are tokenised as plain text: no chat template and no BOS token (this tokenizer adds none
+by default, and we ask for none explicitly), so an embedding depends on the text alone, not on a
+prompt format. Every batch is a fresh forward with no KV cache, so the same text always gives the
+same vector, whatever was embedded before.
+
+Batching: a batch equals the texts one by one (tests bound the difference at 1e-5 in float32).
+Padding goes on the right and is masked, so each text keeps positions 0..n-1 and, under causal
+attention, no real token ever sees a pad. That alone is not enough: CPU float32 matmuls pick
+their kernels (and so their rounding) by shape, and a text alone would run with other shapes
+than inside a batch. So every text is padded to the multiple of :data:`WIDTH_MULTIPLE` strictly
+above its length (at least one pad: the masked attention path, never the unmasked one) and only
+texts of the same padded width share a batch: a text then meets the same shapes and kernels
+whether it is embedded alone or with others. The cost is under ``WIDTH_MULTIPLE`` pad tokens per
+text. On GPUs, whose libraries may pick other algorithms per batch size, expect ~1e-6 instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import torch
+
+from engine.errors import ContextOverflowError, InvalidRequestError
+from engine.model.capture import check_layer
+from engine.model.hook_names import HookName, resid_post
+from engine.model.named_capture import hooks
+
+__all__ = ["Pool", "POOLS", "WIDTH_MULTIPLE", "embed", "tokenize_texts", "batches"]
+
+Pool = Literal["mean", "last"]
+POOLS: tuple[str, ...] = ("mean", "last")
+WIDTH_MULTIPLE = 8  # CPU sgemm micro-kernels tile rows by 4/8: full tiles keep each row's rounding
+_FINAL = HookName(None, "ln_final.hook_normalized")
+
+
+def tokenize_texts(tokenizer: Any, texts: Sequence[str], max_context: int) -> list[list[int]]:
+    """Plain-text token ids of each text (no BOS, no template); empty or too long texts are refused."""
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+        raise InvalidRequestError(f"`texts` must be a list of strings, got {type(texts).__name__}",
+                                  parameter="texts", value=type(texts).__name__)
+    if not texts:
+        raise InvalidRequestError("`texts` must hold at least one text, got []", parameter="texts", value=[])
+    out = []
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"`texts[{i}]` must be a non-empty string, got {text!r}",
+                                      parameter=f"texts[{i}]", value=text)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise InvalidRequestError(f"`texts[{i}]` must tokenise to at least one token, got {text!r}",
+                                      parameter=f"texts[{i}]", value=text)
+        if len(ids) > max_context:
+            raise ContextOverflowError(f"`texts[{i}]` must fit the model's context of {max_context} tokens, "
+                                       f"got {len(ids)}; shorten it", parameter=f"texts[{i}]", value=len(ids))
+        out.append(ids)
+    return out
+
+
+def _pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, pool: str) -> torch.Tensor:
+    """``hidden (B, T, d)``, ``mask (B, T)`` → ``(B, d)`` float32."""
+    hidden = hidden.float()
+    if pool == "last":
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+    weights = mask.to(hidden.dtype).unsqueeze(-1)  # (B, T, 1)
+    return (hidden * weights).sum(dim=1) / lengths.to(hidden.dtype).unsqueeze(-1)
+
+
+def batches(lengths: Sequence[int], batch_size: int) -> list[tuple[int, list[int]]]:
+    """``(padded width, text indices)`` per batch: texts grouped by the multiple of
+    :data:`WIDTH_MULTIPLE` strictly above their length, longest first, at most ``batch_size`` each."""
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault((n // WIDTH_MULTIPLE + 1) * WIDTH_MULTIPLE, []).append(i)
+    return [(width, members[start:start + batch_size]) for width, members in sorted(groups.items(), reverse=True)
+            for start in range(0, len(members), batch_size)]
+
+
+def embed(model: Any, tokenizer: Any, texts: Sequence[str], *, layer: int | None = None, pool: str = "mean",
+          batch_size: int = 16) -> np.ndarray:
+    """``(len(texts), d)`` float32 embeddings, row ``i`` for ``texts[i]``.
+
+    ``layer=None``: final hidden states after the final norm; ``layer=L``: the residual stream
+    after block ``L``. ``pool``: ``"mean"`` over the text's tokens or ``"last"`` token.
+    """
+    num_layers = int(model.config.num_hidden_layers)
+    if pool not in POOLS:
+        raise InvalidRequestError(f"`pool` must be one of {', '.join(POOLS)}, got {pool!r}", parameter="pool",
+                                  value=pool)
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)):
+        raise InvalidRequestError(f"`layer` must be an int or None, got {layer!r}", parameter="layer", value=layer)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidRequestError(f"`batch_size` must be an int >= 1, got {batch_size!r}", parameter="batch_size",
+                                  value=batch_size)
+    name = _FINAL if layer is None else resid_post(check_layer(layer, num_layers, parameter="layer"))
+    max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2**31 - 1)
+    ids = tokenize_texts(tokenizer, texts, max_context)
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # never attended: masked, at the end
+    out = np.empty((len(ids), int(model.config.hidden_size)), dtype=np.float32)
+    decoder = getattr(model, "base_model", model)  # the LM head is not needed: skip its vocabulary-wide matmul
+    for width, chunk in batches([len(t) for t in ids], batch_size):
+        lengths = torch.tensor([len(ids[i]) for i in chunk], device=device)  # (B,)
+        batch = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)  # (B, T)
+        for row, i in enumerate(chunk):
+            batch[row, : len(ids[i])] = torch.tensor(ids[i], device=device)
+        mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (B, T)
+        with hooks(model, [name]) as rec, torch.inference_mode():
+            decoder(input_ids=batch, attention_mask=mask.long(), use_cache=False)
+        hidden = rec.tensors(model)[name]  # (B, T, d)
+        out[chunk] = _pool(hidden, mask, lengths, pool).cpu().numpy()
+    return out
