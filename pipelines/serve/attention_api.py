@@ -34,7 +34,6 @@ __all__ = ["router", "GenerateRequest"]
 router = APIRouter(prefix="/api/v1", tags=["attention"])
 
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-_ERRORS = {400: {"model": "AttentionError"}, 401: {"model": "AttentionError"}}
 
 
 class AttentionError(BaseModel):
@@ -42,6 +41,9 @@ class AttentionError(BaseModel):
     error: str
     error_code: str
     parameter: str | None = None
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": AttentionError} for code in (400, 401, 413, 501, 503, 504)}
 
 
 class ModelInfoResponse(BaseModel):

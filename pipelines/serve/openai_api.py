@@ -45,7 +45,7 @@ class OpenAIErrorBody(BaseModel):
     error: dict[str, Any]
 
 
-_ERRORS = {400: {"model": OpenAIErrorBody}, 401: {"model": OpenAIErrorBody}, 404: {"model": OpenAIErrorBody}}
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIErrorBody} for code in (400, 401, 403, 404, 413, 503, 504)}
 
 
 class ChatMessage(BaseModel):
