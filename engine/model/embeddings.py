@@ -18,8 +18,9 @@ their kernels (and so their rounding) by shape, and a text alone would run with 
 than inside a batch. So every text is padded to the multiple of :data:`WIDTH_MULTIPLE` strictly
 above its length (at least one pad: the masked attention path, never the unmasked one) and only
 texts of the same padded width share a batch: a text then meets the same shapes and kernels
-whether it is embedded alone or with others. The cost is under ``WIDTH_MULTIPLE`` pad tokens per
-text. On GPUs, whose libraries may pick other algorithms per batch size, expect ~1e-6 instead.
+whether it is embedded alone or with others. The cost is at most ``WIDTH_MULTIPLE`` pad tokens per
+text. The guarantee is measured on CPU; GPU libraries may pick other algorithms per batch size,
+so there a batch and one by one may differ by float32 rounding.
 """
 
 from __future__ import annotations
