@@ -3,109 +3,61 @@
     ray job submit --working-dir . -- python -m pipelines.generate --config configs/local.yaml \\
         --prompts prompts.jsonl --out results.jsonl
 
-Each input line is a JSON object with ``prompt`` (a user turn) or ``messages`` (a chat) or
-``input_ids``, and optionally ``mods`` (mod file paths, ``file.py:function``, or payload dicts),
-``request_id``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_tokens``,
-``ignore_eos``, ``tools``. Relative paths (prompts, out, and the config's store and spool) are
-taken under ``--workdir`` (default: the current directory): a Ray Job runs in a throwaway copy of
-``--working-dir``, so pass ``--workdir $PWD`` to keep results and the store where you are. The
-whole file is checked before anything runs; a bad line is named (``prompts.jsonl:7: …``) and the
-job exits 2. Mod files are read here and shipped to the
-generator as inline-source payloads, so they need not exist where the generator runs.
+The prompts file is read and every value checked first (:mod:`pipelines.prompts_file`); a bad line
+is named (``prompts.jsonl:7: …``) and the job exits 2. Relative paths (prompts, out, and the
+config's store and spool) are taken under ``--workdir`` (default: the current directory): a Ray Job
+runs in a throwaway copy of ``--working-dir``, so pass ``--workdir $PWD`` to keep results and the
+store where you are. ``raylens submit`` passes its arguments in the job's environment
+(``--args-from-env``), so no value is ever read by a shell.
 
-Requests run concurrently on the GeneratorActor (``ray.generator_max_concurrency`` at a time);
-each result line is written as it finishes (with its input ``line``), so a re-run with the same
-``--out`` skips lines already done. If the generator dies, the request's unstored SAE blocks are
-recorded as missing, and the request runs once more under a new id (``<id>-retry1``). The end
-prints a summary: requests, tokens, tokens/s, SAE rows, ingest delivered/spooled.
+Requests are spread over the ``ray.generators`` GeneratorActor replicas, up to
+``ray.generator_max_concurrency`` in flight on each; each result line is written as it finishes
+(with its input ``line``), so a re-run with the same ``--out`` skips lines already done. A line
+that fails at run time (the engine refuses it, its mod does not load) is written with
+``finish_reason: "error"`` and an ``error``, and the job goes on. If a generator dies, the
+request's unstored SAE blocks are recorded as missing, and the request runs once more under a new
+id (``<id>-retry1``).
+
+Request ids: before running, the job claims its ids in the store. An id that an earlier run used
+(a resume after a cancel, a repeated id) runs as ``<id>~<run id>``, because stored SAE rows and
+their block ids belong to the run that wrote them; the result line keeps the id you gave as
+``given_request_id``. The summary counts this job's requests only: requests, tokens, tokens/s,
+SAE rows and missing blocks of its ids, ingest delivered/spooled.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import json
+import os
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["PromptLine", "read_prompts", "run", "main", "InputError"]
+from .prompts_file import InputError, PromptLine, read_prompts
 
-_PARAMS = {"max_tokens": int, "temperature": (int, float), "top_p": (int, float), "top_k": int, "seed": int,
-           "stop_tokens": list, "tools": list, "ignore_eos": bool}
-_SOURCES = ("prompt", "messages", "input_ids")
+__all__ = ["PromptLine", "read_prompts", "run", "main", "InputError", "JOB_ARGS_ENV", "job_entrypoint",
+           "encode_job_args"]
 
-
-class InputError(Exception):
-    """A prompts file problem; the message names the file and line."""
+#: The environment variable ``raylens submit`` puts the job's arguments in (:func:`encode_job_args`).
+JOB_ARGS_ENV = "RAYLENS_JOB_ARGS"
 
 
-@dataclass(frozen=True)
-class PromptLine:
-    line: int
-    request: dict[str, Any]  # Engine.generate keyword arguments, mods as payload dicts
+def job_entrypoint() -> str:
+    """The Ray Job entrypoint ``raylens submit`` uses: a constant, with no user value in it (the
+    values travel in :data:`JOB_ARGS_ENV` of the job's runtime_env)."""
+    return f"python -m pipelines.generate --args-from-env {JOB_ARGS_ENV}"
 
 
-def _mod_payloads(specs: Any, where: str) -> list[dict[str, Any]]:
-    from mods.loading import ModPayloadError, load_mod_from_payload, payload_for_file
-
-    if not isinstance(specs, list):
-        raise InputError(f"{where}: `mods` must be a list of mod file paths or payload objects")
-    payloads = []
-    for spec in specs:
-        if isinstance(spec, dict):
-            try:
-                load_mod_from_payload(spec)
-            except ModPayloadError as err:
-                raise InputError(f"{where}: bad mod payload: {err}") from None
-            payloads.append(dict(spec))
-            continue
-        if not isinstance(spec, str):
-            raise InputError(f"{where}: a mod must be a path string or a payload object, got {spec!r}")
-        try:
-            payloads.append(payload_for_file(spec))  # the code travels; the path need not exist there
-        except ModPayloadError as err:
-            raise InputError(f"{where}: {err}") from None
-    return payloads
-
-
-def _parse_line(text: str, where: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InputError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{where}: each line must be a JSON object")
-    given = [k for k in _SOURCES if k in data]
-    if len(given) != 1:
-        raise InputError(f"{where}: give exactly one of prompt, messages, input_ids (got {given or 'none'})")
-    unknown = sorted(set(data) - set(_SOURCES) - set(_PARAMS) - {"mods", "request_id"})
-    if unknown:
-        raise InputError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(list(_SOURCES) + list(_PARAMS) + ['mods', 'request_id'])}")
-    for key, kind in _PARAMS.items():
-        if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool) and kind is not bool):
-            raise InputError(f"{where}: `{key}` has the wrong type ({type(data[key]).__name__})")
-    request = {k: v for k, v in data.items() if k != "mods"}
-    request["mods"] = _mod_payloads(data.get("mods", []), where)
-    request.setdefault("request_id", str(uuid.uuid4()))
-    return request
-
-
-def read_prompts(path: str | Path) -> list[PromptLine]:
-    """Every request of a prompts file, checked; :class:`InputError` names the first bad line."""
-    file = Path(path)
-    if not file.is_file():
-        raise InputError(f"prompts file `{file}` does not exist")
-    lines = []
-    for number, text in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if text.strip():
-            lines.append(PromptLine(number, _parse_line(text, f"{file}:{number}")))
-    if not lines:
-        raise InputError(f"prompts file `{file}` holds no requests")
-    return lines
+def encode_job_args(argv: Sequence[str]) -> str:
+    """The arguments as base64 of a JSON list. Not plain JSON: Ray expands ``$VAR`` and ``${VAR}``
+    in runtime_env values, which would change a path holding a ``$``; base64 has none."""
+    return base64.urlsafe_b64encode(json.dumps(list(argv)).encode()).decode("ascii")
 
 
 def _done_lines(out: Path) -> set[int]:
@@ -135,68 +87,147 @@ def _settled(method: Any, *args: Any, timeout: float, attempts: int = 8) -> Any:
             time.sleep(min(10.0, 0.5 * 2**attempt))
 
 
+def _task_error(err: Exception) -> str:
+    """The cause of a failed ``generate`` call, in one line (not Ray's wrapped traceback)."""
+    cause = getattr(err, "cause", None) or err
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+
+
+@dataclass
+class _Flight:
+    """One request on its way: which line, under which ids, on which replica, which attempt."""
+
+    item: PromptLine
+    given_id: str
+    replica: int
+    attempt: int = 0
+
+
+@dataclass
+class _Tally:
+    finished: int = 0
+    failed: int = 0
+    tokens: int = 0
+    ids: list[str] = field(default_factory=list)  # every id this job ran under (retries included)
+
+
 def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) -> dict[str, Any]:
     """Run ``lines`` through the actors (the cluster must be connected); returns the summary."""
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from engine.config import REQUEST_ID_MAX_CHARS
 
     from .topology import build_topology
 
     topo = build_topology(config)
-    before = _settled(topo.store.counts, timeout=config.ray.call_timeout_s)
     timeout = config.ray.call_timeout_s
-    todo = list(lines)
-    inflight: dict[Any, tuple[PromptLine, int]] = {}
-    finished = tokens = failures = 0
+    run_id = uuid.uuid4().hex[:8]
+    ingest_before = _settled(topo.ingest.stats, timeout=timeout)
+    given = [line.request["request_id"] for line in lines]
+    claimed = _settled(topo.store.claim_request_ids, given, run_id, REQUEST_ID_MAX_CHARS, timeout=timeout) \
+        if lines else []
+    todo = [(PromptLine(line.line, {**line.request, "request_id": rid}), gid)
+            for line, rid, gid in zip(lines, claimed, given)]
+    tally = _Tally(ids=list(claimed))
+    load = [0] * len(topo.generators)
+    inflight: dict[Any, _Flight] = {}
+
+    def dispatch(flight: _Flight) -> None:
+        inflight[topo.generators[flight.replica].generate.remote(flight.item.request)] = flight
+        load[flight.replica] += 1
+
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a", encoding="utf-8") as sink:
+        def write(flight: _Flight, result: dict[str, Any]) -> None:
+            result["line"] = flight.item.line
+            if result.get("request_id") != flight.given_id:
+                result["given_request_id"] = flight.given_id
+            sink.write(json.dumps(result) + "\n")
+            sink.flush()
+            tally.finished += 1
+            tally.tokens += result.get("metadata", {}).get("generated_tokens", 0)
+            elapsed = time.perf_counter() - started
+            progress(f"[{tally.finished}/{len(lines)}] line {flight.item.line} {result.get('finish_reason')} "
+                     f"{tally.tokens} tokens {tally.tokens / elapsed:.1f} tok/s"
+                     + (f" ({result['error']})" if result.get("finish_reason") == "error" else ""))
+
         while todo or inflight:
-            while todo and len(inflight) < config.ray.generator_max_concurrency:
-                item = todo.pop(0)
-                inflight[topo.generator.generate.remote(item.request)] = (item, 0)
+            while todo and min(load) < config.ray.generator_max_concurrency:
+                item, gid = todo.pop(0)
+                dispatch(_Flight(item, gid, load.index(min(load))))
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
             for ref in ready:
-                item, attempt = inflight.pop(ref)
+                flight = inflight.pop(ref)
+                load[flight.replica] -= 1
+                rid = flight.item.request["request_id"]
                 try:
                     result = ray.get(ref, timeout=timeout)
                 except RayActorError as err:
-                    rid = item.request["request_id"]
-                    missing = _settled(topo.store.abandon_request, rid, f"generator died: {type(err).__name__}",
-                                       timeout=timeout)
-                    progress(f"line {item.line}: the generator died during {rid} ({missing} SAE block(s) recorded "
-                             "missing)" + ("; running it again" if attempt == 0 else "; giving up"))
-                    if attempt == 0:
-                        _settled(topo.generator.stats, timeout=timeout)  # wait for the restarted generator
-                        retry = PromptLine(item.line, {**item.request, "request_id": f"{rid}-retry1"})
-                        inflight[topo.generator.generate.remote(retry.request)] = (retry, 1)
+                    retry = _after_generator_death(topo, flight, err, run_id, timeout, progress)
+                    if retry is not None:
+                        tally.ids.append(retry.item.request["request_id"])
+                        dispatch(retry)
                         continue
-                    result = {"request_id": rid, "error": f"generator died twice: {err}", "finish_reason": "error"}
-                    failures += 1
-                result["line"] = item.line
-                sink.write(json.dumps(result) + "\n")
-                sink.flush()
-                finished += 1
-                tokens += result.get("metadata", {}).get("generated_tokens", 0)
-                elapsed = time.perf_counter() - started
-                progress(f"[{finished}/{len(lines)}] line {item.line} {result.get('finish_reason')} "
-                         f"{tokens} tokens {tokens / elapsed:.1f} tok/s")
-    drained = _settled(topo.generator.drain, timeout=timeout * 4)
-    ingest = _settled(topo.ingest.flush, timeout=timeout)
-    after = _settled(topo.store.counts, timeout=timeout)
+                    result = {"request_id": rid, "finish_reason": "error", "error": f"generator died twice: {err}"}
+                    tally.failed += 1
+                except RayTaskError as err:  # this request failed (a bad value, a mod that cannot load): it alone
+                    result = {"request_id": rid, "finish_reason": "error", "error": _task_error(err)}
+                    tally.failed += 1
+                write(flight, result)
+    drained = [_settled(g.drain, timeout=timeout * 4) for g in topo.generators]
+    ingest_after = _settled(topo.ingest.flush, timeout=timeout)
+    counts = _settled(topo.store.request_counts, tally.ids, timeout=timeout) if tally.ids else {}
     elapsed = time.perf_counter() - started
     return {
-        "requests": finished,
-        "failed": failures,
-        "tokens": tokens,
+        "requests": tally.finished,
+        "failed": tally.failed,
+        "tokens": tally.tokens,
         "seconds": round(elapsed, 2),
-        "tokens_per_s": round(tokens / elapsed, 2) if elapsed else 0.0,
-        "sae_rows": after["activations"] - before["activations"],
-        "sae_blocks_missing": after["missing_blocks"] - before["missing_blocks"],
-        "ingest_delivered": ingest["delivered"],
-        "ingest_spooled": ingest["spooled"],
-        "generator": drained,
+        "tokens_per_s": round(tally.tokens / elapsed, 2) if elapsed else 0.0,
+        "sae_rows": counts.get("activations", 0),
+        "sae_blocks_missing": counts.get("missing_blocks", 0),
+        "ingest_delivered": ingest_after["delivered"] - ingest_before["delivered"],
+        "ingest_spooled": ingest_after["spooled"] - ingest_before["spooled"],
+        "run_id": run_id,
+        "generators": drained,
     }
+
+
+def _after_generator_death(topo: Any, flight: _Flight, err: Exception, run_id: str, timeout: float,
+                           progress: Any) -> _Flight | None:
+    """Record the dead attempt's unstored blocks as missing; the retry to run, or None (gave up)."""
+    from engine.config import REQUEST_ID_MAX_CHARS
+
+    rid = flight.item.request["request_id"]
+    missing = _settled(topo.store.abandon_request, rid, f"generator died: {type(err).__name__}", timeout=timeout)
+    progress(f"line {flight.item.line}: the generator died during {rid} ({missing} SAE block(s) recorded missing)"
+             + ("; running it again" if flight.attempt == 0 else "; giving up"))
+    if flight.attempt > 0:
+        return None
+    _settled(topo.generators[flight.replica].stats, timeout=timeout)  # wait for the restarted replica
+    [retry_id] = _settled(topo.store.claim_request_ids, [f"{rid}-retry1"], run_id, REQUEST_ID_MAX_CHARS,
+                          timeout=timeout)
+    item = PromptLine(flight.item.line, {**flight.item.request, "request_id": retry_id})
+    return _Flight(item, flight.given_id, flight.replica, attempt=1)
+
+
+def _job_argv(argv: Sequence[str] | None) -> list[str]:
+    """``--args-from-env NAME`` alone stands for the arguments in ``$NAME`` (:func:`encode_job_args`):
+    how ``raylens submit`` hands paths over without a shell ever reading them."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] != "--args-from-env":
+        return args
+    try:
+        values = json.loads(base64.urlsafe_b64decode(os.environ[args[1]].encode("ascii")))
+    except (KeyError, ValueError, binascii.Error):  # JSON and base64 errors are ValueErrors too
+        values = None
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise SystemExit(f"python -m pipelines.generate: error: `{args[1]}` must hold a base64 JSON list of "
+                         "argument strings (raylens submit sets it)")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -208,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", help="directory that relative paths (prompts, out, store, spool) are under; "
                                           "inside `ray job submit --working-dir .` pass your own: --workdir $PWD")
     parser.add_argument("--debug", action="store_true")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_job_argv(argv))
 
     from engine.config import load_config
     from engine.errors import RaylensError
@@ -232,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         connect(config, args.address)
         summary = run(config, todo, out, progress=progress)
-    except (InputError, RaylensError) as err:
+    except RaylensError as err:  # InputError (a bad prompts line) included
         if args.debug:
             raise
         print(f"raylens generate: error: {err}", file=sys.stderr)

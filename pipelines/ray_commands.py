@@ -1,4 +1,9 @@
-"""``raylens submit``, ``raylens status`` and ``raylens ingest-server``.
+"""``raylens submit``, ``raylens status``, ``raylens stop`` and ``raylens ingest-server``.
+
+``submit`` runs a prompts file as a Ray Job whose entrypoint holds no user value: the arguments
+travel in the job's environment, since Ray runs entrypoints through a shell. ``submit``,
+``status`` and ``stop`` first check that the dashboard or cluster answers within
+``ray.connect_timeout_s`` (one line and exit 2 otherwise, never minutes of Ray's retries).
 
 Ray 2.60 with token authentication: ``ray.init()`` writes ``~/.ray/auth_token`` and clients must
 then run with ``RAY_AUTH_MODE=token`` set *before* Ray is imported. :func:`prepare_ray_env` does
@@ -9,25 +14,47 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_commands", "prepare_ray_env"]
+__all__ = ["add_commands", "prepare_ray_env", "job_request"]
 
 REPO = Path(__file__).resolve().parent.parent
 _UPLOAD_EXCLUDES = [".venv", ".git", "artifacts", "bench-results", "**/__pycache__", "*.duckdb", "*.duckdb.wal"]
 
 
-def prepare_ray_env() -> None:
-    """Set ``RAY_AUTH_MODE=token`` when a token exists (must run before ``import ray``)."""
+def prepare_ray_env(connect_timeout_s: float | None = None) -> None:
+    """Set ``RAY_AUTH_MODE=token`` when a token exists, and bound how long ``ray.init`` retries a
+    GCS that does not answer (it would retry for tens of seconds); must run before ``import ray``."""
     if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
         os.environ["RAY_AUTH_MODE"] = "token"
+    if connect_timeout_s is not None:
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(max(1, math.ceil(connect_timeout_s))))
 
 
 # --------------------------------------------------------------------------------------- submit
+
+
+def job_request(args: argparse.Namespace, cwd: Path) -> tuple[str, dict[str, Any]]:
+    """The entrypoint and runtime_env of the Ray Job for ``raylens submit``.
+
+    Ray runs an entrypoint through a shell, so no user value may be part of it: a crafted
+    ``--out`` would run a command on the cluster, and a path with a space would split. The
+    entrypoint is a constant; the arguments travel, encoded, in the job's environment.
+    """
+    from .generate import JOB_ARGS_ENV, encode_job_args, job_entrypoint
+
+    argv = ["--workdir", str(cwd), "--prompts", str(Path(args.prompts).resolve()),
+            "--out", str(Path(args.out).resolve())]
+    if args.config:
+        argv += ["--config", str(Path(args.config).resolve())]
+    runtime_env = {"working_dir": str(REPO), "excludes": _UPLOAD_EXCLUDES,
+                   "env_vars": {JOB_ARGS_ENV: encode_job_args(argv)}}
+    return job_entrypoint(), runtime_env
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
@@ -35,19 +62,19 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
     from .generate import read_prompts
 
-    prompts = Path(args.prompts).resolve()
-    read_prompts(prompts)  # a bad line fails here, naming the line, before anything is submitted
+    read_prompts(Path(args.prompts).resolve())  # a bad line fails here, naming the line, before anything is submitted
     config = load_config(args.config)
     out = Path(args.out).resolve()
     prepare_ray_env()
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    client = JobSubmissionClient(args.address or config.ray.dashboard_url)
-    config_arg = f" --config {Path(args.config).resolve()}" if args.config else ""
-    entrypoint = (f"python -m pipelines.generate --workdir {Path.cwd()}{config_arg} "
-                  f"--prompts {prompts} --out {out}")
-    job_id = client.submit_job(entrypoint=entrypoint,
-                               runtime_env={"working_dir": str(REPO), "excludes": _UPLOAD_EXCLUDES})
+    from .topology import probe_address
+
+    address = args.address or config.ray.dashboard_url
+    probe_address(address, config.ray.connect_timeout_s, what="Ray dashboard (Jobs API)", key="ray.dashboard_url")
+    client = JobSubmissionClient(address)
+    entrypoint, runtime_env = job_request(args, Path.cwd())
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
     print(f"raylens: submitted job {job_id}; results go to {out}", file=sys.stderr, flush=True)
     if args.no_wait:
         print(job_id)
@@ -73,35 +100,70 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 
-# --------------------------------------------------------------------------------------- status
+# --------------------------------------------------------------------------------- status, stop
+
+
+def _raylens_actors(namespace: str) -> list[str]:
+    import ray
+
+    from .topology import RAYLENS_PREFIX
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == namespace and a["name"].startswith(RAYLENS_PREFIX))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from engine.config import load_config
 
-    prepare_ray_env()
+    config = load_config(args.config)
+    prepare_ray_env(config.ray.connect_timeout_s)
     import ray
 
-    from .topology import INGEST, STORE, actor_names, connect
+    from .topology import INGEST, STORE, actor_roles, connect
 
-    config = load_config(args.config)
     connect(config, args.address)
     timeout = min(30.0, config.ray.call_timeout_s)
     report: dict[str, Any] = {"namespace": config.ray.namespace, "actors": {}}
-    for name in actor_names(config):
+    roles = actor_roles(config)
+    for role, name in roles.items():
         try:
             handle = ray.get_actor(name, namespace=config.ray.namespace)
         except ValueError:
-            report["actors"][name] = "not running"
+            report["actors"][role] = "not running"
             continue
-        method = {STORE: "counts", INGEST: "stats"}.get(name, "stats")
+        method = {STORE: "counts", INGEST: "stats"}.get(role, "stats")
         try:
-            report["actors"][name] = ray.get(getattr(handle, method).remote(), timeout=timeout)
+            report["actors"][role] = {"actor": name, **ray.get(getattr(handle, method).remote(), timeout=timeout)}
         except Exception as err:  # a dead or busy actor is a status, not a crash
-            report["actors"][name] = f"unreachable: {type(err).__name__}"
+            report["actors"][role] = f"unreachable: {type(err).__name__}"
+    # actors of other configs (another store, SAE, resources) in the namespace: `raylens stop --all` ends them
+    report["other_actors"] = [n for n in _raylens_actors(config.ray.namespace) if n not in roles.values()]
     report["cluster"] = {"nodes": len([n for n in ray.nodes() if n.get("Alive")]),
                          "resources": ray.cluster_resources()}
     print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    """Stop this config's actors (or, with --all, every raylens actor in the namespace): the way to
+    replace actors that run with other settings. Jobs running on them fail."""
+    from engine.config import load_config
+
+    config = load_config(args.config)
+    prepare_ray_env(config.ray.connect_timeout_s)
+    import ray
+
+    from .topology import actor_names, connect
+
+    connect(config, args.address)
+    running = set(_raylens_actors(config.ray.namespace))
+    names = sorted(running) if args.all else [n for n in actor_names(config) if n in running]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=config.ray.namespace), no_restart=True)
+        except ValueError:
+            pass  # ended meanwhile
+    print(json.dumps({"namespace": config.ray.namespace, "stopped": names}))
     return 0
 
 
@@ -135,6 +197,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config")
     p.add_argument("--address", help="Ray address (default: ray.address)")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("stop", help="stop this config's raylens actors (--all: every raylens actor in the namespace)")
+    p.add_argument("--config")
+    p.add_argument("--address", help="Ray address (default: ray.address)")
+    p.add_argument("--all", action="store_true", help="every raylens actor in the namespace, whatever its config")
+    p.set_defaults(func=_cmd_stop)
 
     p = sub.add_parser("ingest-server", help="a local ingest backend (validates, keeps payloads in DuckDB)")
     p.add_argument("--db", default="./artifacts/ingest/ingest.duckdb")

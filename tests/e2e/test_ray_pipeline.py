@@ -321,7 +321,7 @@ def test_actors_that_cannot_be_placed_in_time_fail_the_job_and_are_removed(ray_h
     import ray
 
     from engine.errors import ClusterCapacityError
-    from pipelines.topology import GENERATOR, actor_names, build_topology
+    from pipelines.topology import GENERATOR, actor_names, build_topology, generator_name
 
     free = ray.available_resources().get("CPU", 0.0)
 
@@ -338,7 +338,8 @@ def test_actors_that_cannot_be_placed_in_time_fail_the_job_and_are_removed(ray_h
             ray.get(blocker.ready.remote(), timeout=60)
         with pytest.raises(ClusterCapacityError, match=rf"not started after 5s: .*{GENERATOR} \(2 CPU\)"):
             build_topology(config)
-        wait_until(lambda: _no_actor_named(GENERATOR, config.ray.namespace), timeout=60, what="generator removed")
+        wait_until(lambda: _no_actor_named(generator_name(config), config.ray.namespace), timeout=60,
+                   what="generator removed")
     finally:
         if blocker is not None:
             ray.kill(blocker)
@@ -348,7 +349,7 @@ def test_actors_that_cannot_be_placed_in_time_fail_the_job_and_are_removed(ray_h
 
 def test_a_generator_that_cannot_load_its_model_fails_the_job_with_its_own_error(ray_head, tmp_path):
     from engine.errors import ActorStartError
-    from pipelines.topology import GENERATOR, build_topology
+    from pipelines.topology import GENERATOR, build_topology, generator_name
 
     config = ray_config(tmp_path, actor_start_timeout_s=120)
     config = dataclasses.replace(config, sae=dataclasses.replace(config.sae, enabled=False),
@@ -358,6 +359,7 @@ def test_a_generator_that_cannot_load_its_model_fails_the_job_with_its_own_error
                                                   r"model '.*no-such-model'") as err:
             build_topology(config)
         assert 'File "' not in str(err.value) and "\x1b[" not in str(err.value)  # the cause, not Ray's traceback
-        wait_until(lambda: _no_actor_named(GENERATOR, config.ray.namespace), timeout=60, what="generator removed")
+        wait_until(lambda: _no_actor_named(generator_name(config), config.ray.namespace), timeout=60,
+                   what="generator removed")
     finally:
         kill_namespace_actors(config)
