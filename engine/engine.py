@@ -360,6 +360,15 @@ class Engine:
                            ignore_eos=ignore_eos, tools=tools, response_format=response_format,
                            request_id=request_id, on_event=on_event).result()
 
+    def candidates(self, prompt: str | None = None, *, n: int = 8, seed: int | None = 0, **kwargs: Any) -> list[Any]:
+        """``n`` sampled completions as :class:`~engine.candidates.Candidate` (text, token ids,
+        summed log-prob), highest log-prob first, generated as one batch. Takes ``generate``'s
+        keyword arguments (``messages=``, ``input_ids=``, ``temperature``, ``top_p``, ``top_k``,
+        ``max_tokens``, ``mods``, …); candidate ``i`` is seeded ``seed + i``."""
+        from engine.candidates import generate_candidates
+
+        return generate_candidates(self, n=n, seed=seed, prompt=prompt, **kwargs)
+
     def _release(self, request_id: str) -> None:
         conversation.clear_request(request_id)
         with self._lock:

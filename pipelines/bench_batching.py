@@ -57,10 +57,11 @@ def _logits_mod():
     return ban_token_zero
 
 
-def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = None,
+def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = None, tokenizer: str | None = None,
                        progress: Callable[[str], None] = lambda _: None) -> Path:
     """A directory ``from_pretrained`` loads: the named architecture with random bf16 weights on
-    CUDA and the embedded model's tokenizer (ids past its vocabulary decode to ""). Built once."""
+    CUDA and a tokenizer (default: the embedded model's; ids past its vocabulary decode to "").
+    Built once."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -81,7 +82,8 @@ def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = Non
     finally:
         torch.set_default_dtype(previous)
     model.save_pretrained(target)
-    AutoTokenizer.from_pretrained(resolve_model_path("embedded:smollm2-135m-instruct")).save_pretrained(target)
+    source = tokenizer or resolve_model_path("embedded:smollm2-135m-instruct")
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
     del model
     torch.cuda.empty_cache()
     progress(f"built in {time.perf_counter() - started:.0f} s")

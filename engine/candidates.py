@@ -1,0 +1,56 @@
+"""Ranked candidates: n sampled completions of one prompt, best first by summed log-probability.
+
+A prover's policy (or any search over completions) samples n continuations and ranks them by how
+likely the sampling distribution made them. All n run as one batch through the step loop (n rows
+of one step, each with its own generator seeded ``seed + i``), so n = 8 costs about one request's
+steps, not eight.
+
+``log_prob`` is the sum, over the tokens the model sampled (a stop token included: ending there is
+part of the choice), of each token's log-probability under the distribution it was drawn from:
+temperature, top-k and top-p applied and renormalised — with temperature 1 and no truncation,
+the model's own log-softmax. Tokens a mod forced carry no sampling probability and are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+__all__ = ["Candidate", "generate_candidates"]
+
+MAX_CANDIDATES = 256
+
+
+@dataclass(frozen=True)
+class Candidate:
+    text: str
+    token_ids: list[int]
+    log_prob: float
+    finish_reason: str
+
+
+def generate_candidates(engine: "Engine", *, n: int, seed: int | None, **request: Any) -> list[Candidate]:
+    """``n`` completions of one request (``Engine.submit`` keyword arguments), sorted by
+    ``log_prob``, highest first (ties keep sampling order)."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CANDIDATES:
+        raise InvalidRequestError(f"`n` must be an integer in [1, {MAX_CANDIDATES}], got {n!r}", parameter="n",
+                                  value=n)
+    if request.get("top_logprobs") not in (None, 0):
+        raise InvalidRequestError("`top_logprobs` is not taken by candidates", parameter="top_logprobs")
+    request.pop("top_logprobs", None)
+    base = request.pop("request_id", None)
+    handles = [engine.submit(**request, seed=None if seed is None else seed + i, top_logprobs=0,
+                             request_id=None if base is None else f"{base}-{i}") for i in range(n)]
+    out = []
+    for handle in handles:
+        result = handle.result()
+        scores: Sequence[float | None] = result.token_logprobs or []
+        out.append(Candidate(result.output_text, list(result.output_ids),
+                             float(sum(lp for lp in scores if lp is not None)), str(result.finish_reason)))
+    order = sorted(range(n), key=lambda i: -out[i].log_prob)
+    return [out[i] for i in order]
