@@ -292,8 +292,15 @@ def write_capture(out: str | Path, tensors: dict[str, torch.Tensor], *, input_id
     manifest = {"format": FORMAT, "model_id": model_id, "input_ids": list(input_ids) if input_ids else None,
                 "tokens": len(input_ids) if input_ids else None,
                 "tensors": [manifest_entry(name, t) for name, t in host.items()]}
-    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    (folder / MANIFEST_FILE).write_text(_manifest_text(manifest), encoding="utf-8")
     return folder
+
+
+def _manifest_text(manifest: dict[str, Any]) -> str:
+    """JSON with one line per top-level field and per tensor: a full dump stays greppable."""
+    fields = "".join(f"  {json.dumps(k)}: {json.dumps(v)},\n" for k, v in manifest.items() if k != "tensors")
+    tensors = ",\n".join(f"    {json.dumps(entry)}" for entry in manifest["tensors"])
+    return f'{{\n{fields}  "tensors": [\n{tensors}\n  ]\n}}\n'
 
 
 # ------------------------------------------------------------------------------------ compare
