@@ -31,7 +31,7 @@ from engine.model.sampling import SamplingParams, make_generator
 from engine.model.tensor import TensorShim
 from engine.services.ingest_client import IngestClient
 from engine.services.ingest_payload import PayloadRecorder
-from engine.services.sae import SAEEncoder
+from engine.services.sae import SAEEncoder, SteeringDirections
 from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
 from engine.services.store import ActivationStore, RequestRecord
 from mods import conversation
@@ -82,9 +82,11 @@ class Engine:
                                        attention=backend_cfg.extract_attention)
         if config.activations.enabled:
             self.store = ActivationStore.from_config(config.activations)
+        self._steering: SteeringDirections | None = None
         if config.sae.enabled:
             self.recorder = self._build_recorder()
             self._sink, self._sink_layer = self.recorder, self.recorder.encoder.identity.layer
+            self._steering = SteeringDirections(self.recorder.encoder)
         self.loop = StepLoop.for_backend(self.backend)
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
 
@@ -317,8 +319,8 @@ class Engine:
         try:
             with self._lock:
                 self._handles[request_id] = handle
-            self.loop.submit(Entry(state, Rules(state, vocab_size=info.vocab_size, device=self.backend.device),
-                                   handle, self._finalize), block=block, timeout=timeout)
+            rules = Rules(state, vocab_size=info.vocab_size, device=self.backend.device, steering=self._steering)
+            self.loop.submit(Entry(state, rules, handle, self._finalize), block=block, timeout=timeout)
         except BaseException:
             self._release(request_id)
             raise
@@ -385,11 +387,12 @@ class Engine:
             state.manager.forced_queues.pop(state.request_id, None)
             state.manager.forced_reason_queues.pop(state.request_id, None)
             elapsed_ms = (time.perf_counter() - state.started_at) * 1000.0
-            return self._result(state, state.recorder, elapsed_ms)  # type: ignore[arg-type]
+            return self._result(state, state.recorder, elapsed_ms, steers=entry.rules.steer_log)  # type: ignore[arg-type]
         finally:
             self._release(state.request_id)
 
-    def _result(self, state: RequestState, recorder: PayloadRecorder, elapsed_ms: float) -> GenerationResult:
+    def _result(self, state: RequestState, recorder: PayloadRecorder, elapsed_ms: float,
+                steers: list[dict[str, Any]] | None = None) -> GenerationResult:
         tokens = state.forced_output if state.forced_output is not None else state.generated
         stop = state.request.stop_ids
         output_ids = [t for t in tokens if t not in stop]
@@ -416,6 +419,8 @@ class Engine:
             "total_ms": round(elapsed_ms, 3),
             "tokens_per_s": round(len(state.generated) / (decode_ms / 1000.0), 3),
         }
+        if steers:
+            metadata["steers"] = list(steers)  # also in the requests table; never an ingest action
         if self._ingest is not None:
             delivery = self._ingest.send(payload)
             metadata["ingest"] = {"delivered": delivery.delivered, "spooled_to": delivery.spooled_to}
@@ -443,7 +448,7 @@ class Engine:
             finish_reason=str(result.finish_reason),
             config={"sampling": dataclasses.asdict(sampling) if sampling else None,
                     "max_tokens": result.metadata["max_tokens"], "layer": self.config.backend.hidden_state_layer,
-                    "sae": result.metadata.get("sae")})
+                    "sae": result.metadata.get("sae"), "steers": result.metadata.get("steers")})
 
     # ------------------------------------------------------------------- embeddings and capture
 

@@ -21,6 +21,7 @@ from .types import (
     Noop,
     Prefilled,
     Sampled,
+    Steer,
     ToolCalls,
 )
 from .validation import InvalidActionError
@@ -73,6 +74,13 @@ class ActionBuilder:
     def backtrack(self, steps: int, tokens: Iterable[Any] | None = None) -> Backtrack:
         self._require("backtrack", _STEP_EVENTS)
         return Backtrack(int(steps), [int(t) for t in tokens] if tokens else None)
+
+
+    def steer(self, feature_id: int, scale: float) -> Steer:
+        """Add ``scale`` × the SAE decoder direction of ``feature_id`` to the residual stream at the
+        SAE's layer on every later forward of this request (0 removes the steer)."""
+        self._require("steer", _STEP_EVENTS)
+        return Steer(feature_id, scale)
 
 
 def for_event(event: ModEvent) -> ActionBuilder:

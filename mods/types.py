@@ -119,6 +119,31 @@ class ContextInfo:
         return f"ContextInfo(request_id={self.request_id!r}, prompt_len={self.prompt_len}, max_tokens={self.max_tokens})"
 
 
+class SAEFeatures:
+    """The strongest SAE features of tokens, when the engine encodes them inline (else the events'
+    ``sae_features`` is None).
+
+    ``ids`` (int64) and ``values`` (float32), strongest first: shape ``(k,)`` on ``ForwardPass``
+    (the newest token), ``(prompt_len, k)`` on ``Prefilled`` (every prompt token). ``release`` and
+    ``layer`` name the SAE (its residual stream is after ``layer``).
+    """
+
+    def __init__(self, ids: Any, values: Any, release: str, layer: int) -> None:
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.values = np.asarray(values, dtype=np.float32)
+        self.release = release
+        self.layer = layer
+
+    def value_of(self, feature_id: int) -> float:
+        """The feature's activation on the newest token (0.0 when it is not among the top k)."""
+        ids, values = (self.ids, self.values) if self.ids.ndim == 1 else (self.ids[-1], self.values[-1])
+        hit = np.nonzero(ids == int(feature_id))[0]
+        return float(values[hit[0]]) if hit.size else 0.0
+
+    def __repr__(self) -> str:
+        return f"SAEFeatures(release={self.release!r}, layer={self.layer}, ids={_short(self.ids)})"
+
+
 class Prefilled(ModEvent):
     """The prompt has been processed; dispatched once per request, before the first step.
 
@@ -137,6 +162,7 @@ class Prefilled(ModEvent):
         attention_patterns: Any = None,
         layer: int | None = None,
         input_ids: list[int] | None = None,
+        sae_features: SAEFeatures | None = None,
     ) -> None:
         self.request_id = request_id
         self.step = step
@@ -146,6 +172,7 @@ class Prefilled(ModEvent):
         self.attention_patterns = attention_patterns
         self.layer = layer
         self.input_ids = input_ids
+        self.sae_features = sae_features
 
 
 class ForwardPass(ModEvent):
@@ -161,6 +188,7 @@ class ForwardPass(ModEvent):
         attention_patterns: Any = None,
         layer: int | None = None,
         input_ids: list[int] | None = None,
+        sae_features: SAEFeatures | None = None,
     ) -> None:
         self.request_id = request_id
         self.step = step
@@ -169,6 +197,7 @@ class ForwardPass(ModEvent):
         self.attention_patterns = attention_patterns
         self.layer = layer
         self.input_ids = input_ids
+        self.sae_features = sae_features
 
     def top_k_logprob(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         return _top_k_logprob(self.logits, k)
@@ -262,6 +291,16 @@ class Backtrack(ModAction):
     def __init__(self, n: Any, tokens: Any = None) -> None:
         self.n = int(n)
         self.tokens = list(tokens) if tokens is not None else None
+
+
+class Steer(ModAction):
+    """Add ``scale`` times SAE feature ``feature_id``'s decoder direction to the residual stream at
+    the SAE's layer on every later forward of this request, until a later Steer of the same feature
+    replaces the scale (0 removes it). Needs the engine's SAE loaded (``sae.enabled``)."""
+
+    def __init__(self, feature_id: Any, scale: Any) -> None:
+        self.feature_id = feature_id
+        self.scale = scale
 
 
 TERMINAL_ACTIONS: tuple[type[ModAction], ...] = (ForceOutput, ToolCalls, EmitError)

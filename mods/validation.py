@@ -36,6 +36,7 @@ from .types import (
     Noop,
     Prefilled,
     Sampled,
+    Steer,
     ToolCalls,
 )
 
@@ -67,9 +68,9 @@ class InvalidActionValue(InvalidActionError):
 
 _ALLOWED_ACTIONS: dict[type[ModEvent], tuple[type[ModAction], ...]] = {
     Prefilled: (Noop, ForceOutput, ToolCalls, AdjustedPrefill, EmitError),
-    ForwardPass: (Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, AdjustedLogits, EmitError),
-    Sampled: (Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError),
-    Added: (Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError),
+    ForwardPass: (Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, AdjustedLogits, EmitError, Steer),
+    Sampled: (Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError, Steer),
+    Added: (Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError, Steer),
 }
 
 #: Read-only view of the table, for documentation and tests.
@@ -172,6 +173,22 @@ def check_token_temp(value: Any, *, field: str = "AdjustedLogits.token_temp") ->
     return temp
 
 
+def check_steer(action: Steer, *, num_features: int | None = None) -> tuple[int, float]:
+    """``(feature_id, scale)`` of a Steer: an int feature id (below ``num_features`` when given)
+    and a finite scale."""
+    fid = action.feature_id
+    if isinstance(fid, (bool, np.bool_)) or not isinstance(fid, (numbers.Integral, np.integer)) or int(fid) < 0 or (
+            num_features is not None and int(fid) >= num_features):
+        bound = f"in [0, {num_features})" if num_features is not None else ">= 0"
+        raise InvalidActionValue(f"`Steer.feature_id` must be an int feature id {bound}, got {_short(fid)}.",
+                                 parameter="Steer.feature_id", value=fid)
+    scale = action.scale
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real) or not math.isfinite(float(scale)):
+        raise InvalidActionValue(f"`Steer.scale` must be a finite number, got {_short(scale)}.",
+                                 parameter="Steer.scale", value=scale)
+    return int(fid), float(scale)
+
+
 def check_action_values(action: ModAction, vocab: int, *, logits: bool = True,
                         logits_width: int | None = None) -> None:
     """Check every value field of an action the engine will apply, once, before it is applied.
@@ -189,6 +206,8 @@ def check_action_values(action: ModAction, vocab: int, *, logits: bool = True,
                                      value=action.n)
         if action.tokens is not None:
             check_token_ids(action.tokens, vocab, field=f"{name}.tokens")
+    elif isinstance(action, Steer):
+        check_steer(action)
     elif isinstance(action, AdjustedLogits):
         check_token_temp(action.token_temp, field=f"{name}.token_temp")
         if logits:

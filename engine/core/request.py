@@ -91,6 +91,9 @@ class RequestState:
     ignored: list[IgnoredAction] = field(default_factory=list)
     cached: int = 0
     output: RowOutput | None = None
+    sae_features: Any = None  # the newest forward's inline SAE encoding (EncodedForward), if any
+    steers: dict[int, float] = field(default_factory=dict)  # SAE feature id → scale, from Steer actions
+    steer_delta: Any = None  # (d,) sum of scale × decoder direction, added at the SAE layer each forward
     prefilled: bool = False
     cancelled: bool = False
     # per step

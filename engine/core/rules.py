@@ -54,7 +54,7 @@ an optional ``on_event`` callback.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -63,7 +63,7 @@ from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
 from engine.model.tensor import TensorShim, as_torch
 from mods.manager import ModCall
-from mods.validation import InvalidActionError, check_action_values, check_token_ids
+from mods.validation import InvalidActionError, check_action_values, check_steer, check_token_ids
 from mods.types import (
     Added,
     AdjustedLogits,
@@ -77,11 +77,22 @@ from mods.types import (
     ModEvent,
     Noop,
     Prefilled,
+    SAEFeatures,
     Sampled,
+    Steer,
     ToolCalls,
 )
 
-__all__ = ["Rules", "StepPlan"]
+__all__ = ["Rules", "StepPlan", "SteerSource"]
+
+
+class SteerSource(Protocol):
+    """Where Steer actions get their directions (the engine's loaded SAE)."""
+
+    layer: int
+    num_features: int
+
+    def delta(self, steers: dict[int, float]) -> Any: ...
 
 
 @dataclass
@@ -103,19 +114,23 @@ class StepPlan:
 class Rules:
     """Applies one request's mod actions, phase by phase; events are built from its newest forward."""
 
-    def __init__(self, state: RequestState, *, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, state: RequestState, *, vocab_size: int, device: torch.device,
+                 steering: SteerSource | None = None) -> None:
         self.state = state
         self.vocab_size = vocab_size
         self.device = device
+        self.steering = steering
+        self.steer_log: list[dict[str, Any]] = []  # every applied Steer: step, feature, scale
 
     # ------------------------------------------------------------------------------- plumbing
 
     def report_forward(self, start: int, fed: Sequence[int]) -> None:
         """Hand the newest forward's hidden states to the SAE sink (nearline: no waiting)."""
         state = self.state
+        state.sae_features = None
         if state.hidden_sink is not None and state.output is not None and state.output.captured.hidden:
-            state.hidden_sink.on_forward(state.request_id, state.step,
-                                         ForwardRecord(start, tuple(fed), state.output.captured.hidden))
+            state.sae_features = state.hidden_sink.on_forward(
+                state.request_id, state.step, ForwardRecord(start, tuple(fed), state.output.captured.hidden))
 
     def dispatch(self, event: ModEvent) -> list[_Call]:
         state = self.state
@@ -187,6 +202,15 @@ class Rules:
     def _shim(self, tensor: torch.Tensor | None) -> TensorShim | None:
         return TensorShim(tensor, readonly=True) if tensor is not None else None
 
+    def _features(self, newest_only: bool) -> SAEFeatures | None:
+        """The inline SAE encoding of the newest forward, as the SDK's numpy object."""
+        encoded = self.state.sae_features
+        if encoded is None:
+            return None
+        values, indices = (encoded.values[-1], encoded.indices[-1]) if newest_only else (encoded.values,
+                                                                                         encoded.indices)
+        return SAEFeatures(indices.cpu().numpy(), values.float().cpu().numpy(), encoded.release, encoded.layer)
+
     def prefilled_event(self) -> Prefilled:
         from mods.types import ContextInfo
 
@@ -200,6 +224,7 @@ class Rules:
             attention_patterns=self._shim(captured.attention.get(layer)),  # (h, seq, seq)
             layer=layer,
             input_ids=ids,
+            sae_features=self._features(newest_only=False),  # (prompt_len, k)
         )
 
     def forward_event(self) -> ForwardPass:
@@ -214,6 +239,7 @@ class Rules:
             attention_patterns=self._shim(attention[:, -1:, :] if attention is not None else None),  # (h, 1, kv)
             layer=state.event_layer,
             input_ids=state.tokens,
+            sae_features=self._features(newest_only=True),  # (k,)
         )
 
     # ------------------------------------------------------------------------ shared effects
@@ -314,6 +340,8 @@ class Rules:
                     continue
                 case AdjustedLogits() if logits_allowed:
                     self.adjust_logits(item, action, plan)
+                case Steer():
+                    self.steer(item, action)
                 case ForceTokens():
                     self.queue_force(item, action)
                 case Backtrack():
@@ -352,12 +380,32 @@ class Rules:
                                                                  base.repetition_penalty)
         self.applied(item)
 
+    def steer(self, item: _Call, action: Steer) -> None:
+        """Set (or with scale 0 remove) the request's steer of one feature; every later forward of
+        this request adds the summed directions at the SAE's layer."""
+        if self.steering is None:
+            return self.fault(item, "Steer needs the engine's SAE loaded (sae.enabled); none is")
+        try:
+            feature, scale = check_steer(action, num_features=self.steering.num_features)
+        except InvalidActionError as err:
+            return self.fault(item, str(err))
+        state = self.state
+        if scale == 0.0:
+            state.steers.pop(feature, None)
+        else:
+            state.steers[feature] = scale
+        state.steer_delta = self.steering.delta(state.steers) if state.steers else None
+        self.steer_log.append({"step": state.step, "feature_id": feature, "scale": scale})
+        self.applied(item)
+
     def apply_added(self, calls: list[_Call]) -> None:
         for i, item in enumerate(calls):
             action = item.call.action
             match action:
                 case Noop():
                     continue
+                case Steer():
+                    self.steer(item, action)
                 case ForceTokens():
                     ids = self.accept_force(item, action)
                     if ids:

@@ -213,7 +213,9 @@ class StepLoop:
                 tokens = state.tokens[state.cached:]
             plan = state.plan.with_all_query_rows(not state.prefilled)
             owners.append(entry)
-            rows.append(ForwardRow(state.request_id, state.cached, tuple(tokens), plan))
+            steering = entry.rules.steering
+            rows.append(ForwardRow(state.request_id, state.cached, tuple(tokens), plan, state.steer_delta,
+                                   steering.layer if steering is not None and state.steer_delta is not None else None))
         if not rows:
             return
         started = time.perf_counter()

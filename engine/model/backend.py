@@ -47,6 +47,8 @@ class ForwardRow:
     start: int
     tokens: tuple[int, ...]
     plan: CapturePlan = CapturePlan()
+    steer: Any = None  # (d,) added to this row's residual stream after ``steer_layer`` (SAE steering)
+    steer_layer: int | None = None
 
 
 @dataclass(frozen=True)

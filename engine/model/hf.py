@@ -13,6 +13,7 @@ its own. Shapes: ``ids (B, q)``, ``mask (B, 1, q, kv)``, logits ``(B, V)`` float
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Sequence
 
@@ -169,7 +170,7 @@ class HuggingFaceBackend:
         capture = AttentionCapture.for_rows(plans)
         if capture is not None:
             kwargs[CAPTURE_KWARG] = capture
-        with torch.inference_mode():
+        with torch.inference_mode(), self._steering(rows):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=view,
                              use_cache=True, logits_to_keep=1, **kwargs)
         for r in rows:
@@ -178,6 +179,34 @@ class HuggingFaceBackend:
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
         captured = split_rows(out, plans, capture, hidden_index, [s + q for s in starts])
         return [RowOutput(logits[b], captured[b]) for b in range(len(rows))]
+
+    @contextlib.contextmanager
+    def _steering(self, rows: Sequence[ForwardRow]):
+        """While rows steer: a hook on their layer adds each row's vector ``(d,)`` to the residual
+        stream it outputs (rows without a steer add zeros); removed in ``finally``."""
+        steered = [r for r in rows if r.steer is not None]
+        if not steered:
+            yield
+            return
+        layers = {r.steer_layer for r in steered}
+        if len(layers) != 1 or None in layers:
+            raise InvalidRequestError("rows of one forward must steer at one layer", parameter="steer_layer")
+        layer = check_layer(layers.pop(), self.info.num_layers, parameter="steer_layer")  # type: ignore[arg-type]
+        delta = torch.zeros(len(rows), 1, self.info.hidden_size, dtype=self.dtype, device=self.device)  # (B, 1, d)
+        for b, row in enumerate(rows):
+            if row.steer is not None:
+                delta[b, 0] = row.steer.to(device=self.device, dtype=self.dtype)
+
+        def add(module: Any, args: Any, output: Any) -> Any:
+            if isinstance(output, tuple):
+                return (output[0] + delta,) + tuple(output[1:])
+            return output + delta
+
+        handle = self.model.model.layers[layer].register_forward_hook(add)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def shutdown(self) -> None:
         self._slots.clear()

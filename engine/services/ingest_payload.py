@@ -254,6 +254,15 @@ class PayloadRecorder:
     def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None) -> None:
         if call_index is None:
             return
+        if type(action).__name__ == "Steer":  # the backend's action types are a closed set: a log line
+            fid, scale = getattr(action, "feature_id", None), getattr(action, "scale", None)
+            status = "applied" if applied else f"not applied: {note}"
+            message = f"[raylens] Steer feature_id={fid} scale={scale} ({status})"[:2000]
+            self._mod_logs.append({"mod_call_sequence": call_index,
+                                   "mod_name": str(self._mod_calls[call_index]["mod_name"])[:255],
+                                   "log_message": message, "log_level": "INFO",
+                                   "created_at": datetime.now(timezone.utc).timestamp()})
+            return
         details: dict[str, Any] = {"applied": applied}
         if note:
             details["note"] = note

@@ -189,3 +189,22 @@ class SAEEncoder:
             empty = torch.empty(0, k)
             return empty, empty.long()
         return torch.cat(values), torch.cat(indices)
+
+
+class SteeringDirections:
+    """What a ``Steer`` action adds: ``scale`` × an SAE feature's decoder row ``W_dec[f]`` (the
+    direction the SAE writes that feature back into the residual stream), summed over a request's
+    steered features, at the SAE's layer."""
+
+    def __init__(self, encoder: SAEEncoder) -> None:
+        self.encoder = encoder
+        self.layer = encoder.identity.layer
+        self.num_features = int(encoder.identity.d_sae)
+
+    def delta(self, steers: dict[int, float]) -> torch.Tensor:
+        """``(d,)`` float32: ``sum(scale * W_dec[feature])`` over ``steers``."""
+        w_dec = self.encoder.sae.W_dec  # (d_sae, d)
+        ids = torch.tensor(sorted(steers), dtype=torch.long, device=w_dec.device)
+        scales = torch.tensor([steers[i] for i in sorted(steers)], dtype=torch.float32, device=w_dec.device)
+        with torch.no_grad():
+            return (scales[:, None] * w_dec.index_select(0, ids).float()).sum(0)

@@ -35,7 +35,7 @@ from engine.model.backend import ForwardRecord
 from engine.services.sae import SAEEncoder, SAEIdentity
 from engine.services.store_schema import ACTIVATION_SCHEMA
 
-__all__ = ["BlockMeta", "HiddenBlock", "BlockAccumulator", "ActivationRecorder", "RecorderStats", "encode_block",
+__all__ = ["EncodedForward", "BlockMeta", "HiddenBlock", "BlockAccumulator", "ActivationRecorder", "RecorderStats", "encode_block",
            "rows_from_topk"]
 
 log = logging.getLogger("raylens.activations")
@@ -207,6 +207,17 @@ class BlockAccumulator:
             self.finish(request_id)
 
 
+@dataclass(frozen=True)
+class EncodedForward:
+    """Top-k SAE features of every token one forward fed: ``values``/``indices`` ``(q, k)``,
+    strongest first, on the encoder's device."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    release: str
+    layer: int
+
+
 class ActivationRecorder:
     """The in-process hidden-state sink of :func:`engine.core.rules.run_generation`: inline, or
     nearline on one background encoder thread."""
@@ -226,6 +237,7 @@ class ActivationRecorder:
                                        skip_first_position=skip_first_position)
         self._queue: queue.Queue[Any] | None = None
         self._worker: threading.Thread | None = None
+        self._inline: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # this forward's encoding
         if mode == "nearline":
             self._queue = queue.Queue(maxsize=max_pending_blocks)
             self._worker = threading.Thread(target=self._run_worker, name="raylens-sae-encoder", daemon=True)
@@ -233,8 +245,24 @@ class ActivationRecorder:
 
     # ---------------------------------------------------------------------------- loop side
 
-    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> None:
-        self.blocks.on_forward(request_id, step, record)
+    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> "EncodedForward | None":
+        """Nearline: queue the rows. Inline: encode every fed token now, store the rows (position 0
+        left out as always) and return the top-k of every fed token — what the step's events carry,
+        the same numbers as the stored rows."""
+        if self.mode != "inline":
+            self.blocks.on_forward(request_id, step, record)
+            return None
+        hidden = record.hidden.get(self.encoder.identity.layer)
+        if hidden is None:
+            return None
+        values, indices = self.encoder.encode_topk(hidden)  # (q, k) each
+        self._inline[request_id] = (record.start_position, values, indices)
+        try:
+            self.blocks.on_forward(request_id, step, record)
+        finally:
+            self._inline.pop(request_id, None)
+        identity = self.encoder.identity
+        return EncodedForward(values, indices, identity.release, identity.layer)
 
     def finish(self, request_id: str) -> None:
         """Hand off what is left of a request's rows (called when its generation ends)."""
@@ -258,7 +286,14 @@ class ActivationRecorder:
         error: BaseException | None = None
         for _attempt in range(2):
             try:
-                rows = encode_block(self.encoder, block, source_mode=self.mode, model_id=self.model_id)
+                pre = self._inline.get(block.request_id)
+                if pre is not None:  # inline: the forward was encoded once, for the events too
+                    start, values, indices = pre
+                    offsets = [p - start for p in block.positions]
+                    rows = rows_from_topk(block, values[offsets].cpu().numpy(), indices[offsets].cpu().numpy(),
+                                          self.encoder.identity, source_mode=self.mode, model_id=self.model_id)
+                else:
+                    rows = encode_block(self.encoder, block, source_mode=self.mode, model_id=self.model_id)
                 self.stats.rows_written += self._write(rows, block.batch_id, block.request_id)
                 self.stats.blocks_written += 1
                 return

@@ -26,18 +26,19 @@ from mods import (
     validate_action,
 )
 from mods.tensor import NumpyTensor
+from mods.types import Steer
 from mods.validation import ALLOWED_ACTIONS
 
 ALLOWED = {
     Prefilled: {Noop, ForceOutput, ToolCalls, AdjustedPrefill, EmitError},
-    ForwardPass: {Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, AdjustedLogits, EmitError},
-    Sampled: {Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError},
-    Added: {Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError},
+    ForwardPass: {Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, AdjustedLogits, EmitError, Steer},
+    Sampled: {Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError, Steer},
+    Added: {Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError, Steer},
 }
 ACTIONS = {
     Noop: lambda: Noop(), AdjustedPrefill: lambda: AdjustedPrefill([1], 0), ForceTokens: lambda: ForceTokens([1]),
     Backtrack: lambda: Backtrack(1), AdjustedLogits: lambda: AdjustedLogits(None), ForceOutput: lambda: ForceOutput([1]),
-    ToolCalls: lambda: ToolCalls({}), EmitError: lambda: EmitError("e"),
+    ToolCalls: lambda: ToolCalls({}), EmitError: lambda: EmitError("e"), Steer: lambda: Steer(3, 2.0),
 }
 EVENTS = {
     Prefilled: lambda: Prefilled("r", 0, 4), ForwardPass: lambda: ForwardPass("r", 0, NumpyTensor(np.zeros((1, 8)))),
@@ -47,7 +48,7 @@ EVENTS = {
 
 @pytest.mark.parametrize("event_cls", list(EVENTS))
 @pytest.mark.parametrize("action_cls", list(ACTIONS))
-def test_validation_table_accepts_exactly_the_24_allowed_pairs(event_cls, action_cls):
+def test_validation_table_accepts_exactly_the_allowed_pairs(event_cls, action_cls):
     event, action = EVENTS[event_cls](), ACTIONS[action_cls]()
     if action_cls in ALLOWED[event_cls]:
         assert validate_action(event, action) is action
@@ -56,8 +57,9 @@ def test_validation_table_accepts_exactly_the_24_allowed_pairs(event_cls, action
             validate_action(event, action)
 
 
-def test_validation_table_has_24_cells():
-    assert sum(len(v) for v in ALLOWED_ACTIONS.values()) == 24
+def test_validation_table_has_the_original_24_cells_plus_steer_on_the_three_step_events():
+    assert sum(len(v) for v in ALLOWED_ACTIONS.values()) == 24 + 3
+    assert [e for e, allowed in ALLOWED_ACTIONS.items() if Steer in allowed] == [ForwardPass, Sampled, Added]
 
 
 def test_none_becomes_noop_and_a_string_is_invalid():
