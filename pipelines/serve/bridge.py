@@ -27,10 +27,7 @@ class _Failed:
 async def open_stream(engine: Any, *, timeout_s: float, **kwargs: Any) -> "Stream":
     """Submit a request (off the event loop: prompt encoding and mod loading take time); bad input
     raises :class:`ApiError` here, before any response has started."""
-    from .engine_stream import engine_streams_natively
-
-    if engine_streams_natively(engine):
-        kwargs.setdefault("block", False)  # a full queue is a 503 QUEUE_FULL, not a hung connection
+    kwargs.setdefault("block", False)  # a full queue is a 503 QUEUE_FULL, not a hung connection
     try:
         handle = await asyncio.to_thread(submit, engine, **kwargs)
     except Exception as err:
