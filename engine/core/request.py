@@ -53,7 +53,8 @@ class Recorder(Protocol):
 class StreamSink(Protocol):
     """Where committed and erased tokens are announced as they happen (a request's stream)."""
 
-    def committed(self, tokens: Sequence[int], forced: bool, sample: Any, attention: Any) -> None: ...
+    def committed(self, tokens: Sequence[int], forced: bool, sample: Any, attention: Any,
+                  sae_features: Any = None) -> None: ...
 
     def erased(self, n: int) -> None: ...
 
@@ -118,14 +119,15 @@ class RequestState:
     def needs_forward(self) -> bool:
         return self.cached < self.length or self.output is None
 
-    def commit(self, tokens: Sequence[int], *, forced: bool, sample: Any = None, attention: Any = None) -> None:
+    def commit(self, tokens: Sequence[int], *, forced: bool, sample: Any = None, attention: Any = None,
+               sae_features: Any = None) -> None:
         self.generated.extend(tokens)
         self.step_committed.extend(tokens)
         if self.request.logprobs >= 0:
             first = sample.logprob if sample is not None else None
             self.logprobs.extend([first] + [None] * (len(tokens) - 1))
         if self.stream is not None:
-            self.stream.committed(tokens, forced, sample, attention)
+            self.stream.committed(tokens, forced, sample, attention, sae_features)
 
     def erase(self, n: int) -> None:
         """Drop the newest ``n`` generated tokens: a position move. The last kept token is fed

@@ -290,7 +290,8 @@ class Rules:
     def commit(self, tokens: list[int], *, forced: bool, announce: bool, sample: Any = None,
                attention: Any = None) -> None:
         state = self.state
-        state.commit(tokens, forced=forced, sample=sample, attention=attention)
+        features = self._features(newest_only=True) if sample is not None and state.stream is not None else None
+        state.commit(tokens, forced=forced, sample=sample, attention=attention, sae_features=features)
         if announce:
             self.apply_added(self.dispatch(Added(state.request_id, state.step, list(tokens), forced)))
 

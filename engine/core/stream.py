@@ -33,6 +33,8 @@ class TokenEvent:
     logprob)`` of that distribution, when asked for. ``attention``: ``(layers, heads, context)``
     float32, the attention from the position that produced the token to every position in
     context (each row sums to 1), when the request asked for every layer's attention.
+    ``sae_features``: the inline SAE's top-k features (``mods.types.SAEFeatures``, shape ``(k,)``)
+    of the position that produced the token, when the engine encodes inline; else None.
     """
 
     request_id: str
@@ -41,6 +43,7 @@ class TokenEvent:
     logprobs: tuple[float | None, ...]
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     attention: np.ndarray | None = None
+    sae_features: Any = None
 
 
 @dataclass(frozen=True)
@@ -64,14 +67,15 @@ class RequestHandle:
 
     # ------------------------------------------------------------------------- loop side
 
-    def committed(self, tokens: Sequence[int], forced: bool, sample: Any, attention: Any) -> None:
+    def committed(self, tokens: Sequence[int], forced: bool, sample: Any, attention: Any,
+                  sae_features: Any = None) -> None:
         if sample is not None:
             logprobs = (sample.logprob,) + (None,) * (len(tokens) - 1)
             top = (sample.top,) if sample.top is not None else None
         else:
             logprobs, top = (None,) * len(tokens), None
         self._events.put(TokenEvent(self.request_id, tuple(int(t) for t in tokens), forced, logprobs, top,
-                                    attention))
+                                    attention, sae_features))
 
     def erased(self, n: int) -> None:
         self._events.put(Erased(self.request_id, n))

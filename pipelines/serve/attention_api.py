@@ -252,8 +252,9 @@ def _engine_kwargs(service: Service, body: GenerateRequest) -> dict[str, Any]:
                                                   f"{body.max_new_tokens}.", "max_new_tokens")
     if body.sae_features and not service.sae_features_available():
         raise ApiError(ErrorCode.FEATURES_UNAVAILABLE, "`sae_features` must be false on this server, got true: "
-                                                       "its engine does not stream SAE features per token yet. "
-                                                       "Ask without them (see GET /api/v1/model/info, "
+                                                       "its engine does not encode SAE features inline (start "
+                                                       "it with sae.enabled and sae.mode: inline). Ask without "
+                                                       "them (see GET /api/v1/model/info, "
                                                        "sae_features_available).", "sae_features")
     max_tokens = body.max_new_tokens or min(service.engine.config.generation.max_tokens, limit)
     kwargs: dict[str, Any] = dict(
@@ -262,8 +263,6 @@ def _engine_kwargs(service: Service, body: GenerateRequest) -> dict[str, Any]:
         ignore_eos=body.ignore_eos or None, request_id=body.request_id, banned_tokens=list(body.banned_tokens) or None,
         repetition_penalty=body.repetition_penalty if body.repetition_penalty != 1.0 else None,
         top_logprobs=body.top_logprobs, attention="all" if body.return_attention else None)
-    if body.sae_features:
-        kwargs["sae_features"] = True
     return kwargs
 
 
@@ -334,8 +333,10 @@ def _token_messages(service: Service, body: GenerateRequest, enc: AttentionEncod
         if body.return_attention and i == 0 and event.attention is not None:
             message["attention"], frame = encode_attention(event.attention, enc)
         features = getattr(event, "sae_features", None)
-        if body.sae_features and features is not None:
-            message["sae_features"] = features[i] if i < len(features) else None
+        if body.sae_features and i == 0 and features is not None:  # the sampled token's features
+            message["sae_features"] = {"release": features.release, "layer": int(features.layer),
+                                       "ids": [int(f) for f in features.ids],
+                                       "values": [round(float(v), 5) for v in features.values]}
         yield message, frame
 
 

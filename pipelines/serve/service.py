@@ -90,7 +90,7 @@ class Service:
                                                     f"{bad[:5]} (vocab_size={vocab}).", parameter)
 
     def sae_features_available(self) -> bool:
-        """Whether the engine's token events carry SAE features (a ``sae_features`` field)."""
-        from .engine_stream import TokenEvent
-
-        return "sae_features" in getattr(TokenEvent, "__dataclass_fields__", {})
+        """Whether token events carry SAE features: the engine encodes inline (``sae.enabled`` with
+        ``sae.mode: inline``), so each step's top-k features exist before its token is streamed."""
+        recorder = getattr(self.engine, "recorder", None)
+        return recorder is not None and recorder.mode == "inline"

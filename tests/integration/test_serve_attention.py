@@ -284,3 +284,34 @@ def test_client_disconnect_cancels_its_request(engine, prompt_ids):
         while running() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not running(), "the request kept running after its client left"
+
+
+def test_each_streamed_token_carries_its_sae_features_when_the_engine_encodes_inline(engine, tmp_path):
+    import dataclasses
+
+    from engine import Engine
+    from pipelines.serve.app import build_app
+    from pipelines.serve.local import serve_in_thread
+    from pipelines.serve.settings import ServeSettings
+    from tests.helpers import build_config
+
+    cfg = build_config()
+    cfg = dataclasses.replace(
+        cfg, activations=dataclasses.replace(cfg.activations, enabled=True, db_path=str(tmp_path / "f.duckdb")),
+        sae=dataclasses.replace(cfg.sae, enabled=True, mode="inline"))
+    with Engine(cfg, backend=engine.backend) as inline, \
+            serve_in_thread(build_app(inline, ServeSettings(max_new_tokens=16))) as url:
+        import httpx
+
+        info = httpx.get(url + "/api/v1/model/info", timeout=60).json()
+        assert info["sae_features_available"] is True
+        ids = inline.encode("Tell me about the sea.")
+        messages = asyncio.run(ws_generate(url, {"input_ids": ids, "max_new_tokens": 4, "temperature": 0.0,
+                                                 "sae_features": True}))
+    tokens = [m for m in messages if m["type"] == "token"]
+    assert len(tokens) == 4 and messages[-1]["type"] == "done"
+    k = cfg.sae.top_k
+    for message in tokens:
+        features = message["sae_features"]
+        assert features["layer"] == cfg.sae.layer and len(features["ids"]) == len(features["values"]) == k
+        assert features["values"] == sorted(features["values"], reverse=True) and features["values"][0] > 0
