@@ -1,0 +1,71 @@
+"""The embedding job on a real local Ray cluster bound to 127.0.0.1: a texts file in, Parquet out,
+equal to the in-process engine's embeddings, and the job's actor gone afterwards.
+
+The cluster is this module's own (``ray.init`` starts it, ``ray.shutdown`` stops exactly it), not
+a ``ray start`` head: ``ray stop`` would also stop any other Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.timeout(900)
+
+TEXTS = ["n : Nat\n⊢ n + 0 = n", "a b : Nat\n⊢ a + b = b + a", "The sky is blue.", "hello", "xs : List Nat"]
+RAY_EQUALS_IN_PROCESS_TOL = 1e-5  # same model, same batches of one padded width: float32 rounding at most
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    import ray
+
+    from tests.e2e.conftest import Head
+
+    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+        assert gcs.startswith("127.0.0.1:"), f"Ray must stay on loopback in tests, but its GCS is at {gcs}"
+        yield Head(gcs, "", None)
+    finally:
+        ray.shutdown()
+
+
+def test_embed_job_writes_parquet_equal_to_the_engine(ray_head, engine, tmp_path, capsys):
+    import pyarrow.parquet as pq
+    import ray
+
+    from pipelines.embed import main
+    from tests.e2e.conftest import wait_until
+
+    (tmp_path / "states.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TEXTS), encoding="utf-8")
+    code = main(["--config", str(REPO / "configs" / "local.yaml"), "--texts-file", "states.jsonl",
+                 "--out", "emb.parquet", "--workdir", str(tmp_path), "--chunk-size", "2", "--pool", "last",
+                 "--address", ray_head.address])
+    assert code == 0, capsys.readouterr().err
+    table = pq.read_table(tmp_path / "emb.parquet")
+    assert table.column("line").to_pylist() == list(range(1, len(TEXTS) + 1))
+    assert table.column("text").to_pylist() == TEXTS
+    meta = table.schema.metadata
+    assert meta[b"raylens.pool"] == b"last" and meta[b"raylens.layer"] == b"final_norm"
+    got = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+    expected = engine.embed(TEXTS, pool="last")
+    worst = float(np.abs(got - expected).max())
+    assert worst < RAY_EQUALS_IN_PROCESS_TOL, f"the Ray job's embeddings differ from in-process by {worst:.3g}"
+    total = ray.cluster_resources()["CPU"]
+    wait_until(lambda: ray.available_resources().get("CPU") == total, timeout=60,
+               what="the job's EmbedActor to be killed and its CPU released")
+
+
+def test_embed_job_refuses_a_bad_layer_before_embedding(ray_head, tmp_path, capsys):
+    from pipelines.embed import main
+
+    (tmp_path / "t.txt").write_text("hello\n", encoding="utf-8")
+    code = main(["--config", str(REPO / "configs" / "local.yaml"), "--texts-file", "t.txt", "--out", "e.parquet",
+                 "--workdir", str(tmp_path), "--layer", "10000", "--address", ray_head.address])
+    assert code == 2 and "`layer` must be in [0," in capsys.readouterr().err
+    assert not (tmp_path / "e.parquet").exists()
