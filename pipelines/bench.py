@@ -400,7 +400,8 @@ def run_cli(args: argparse.Namespace) -> int:
     overrides: dict[str, dict[str, Any]] = {}
     if getattr(args, "random_model", None):
         path = build_random_model(args.random_model, tokenizer=getattr(args, "tokenizer", None), progress=progress)
-        overrides["backend"] = {"model_id": str(path), "device": "cuda", "dtype": "bfloat16"}
+        # a static cache is allocated whole: size it to the bench's requests, not the model's 128k context
+        overrides["backend"] = {"model_id": str(path), "device": "cuda", "dtype": "bfloat16", "max_sequence": 1024}
         overrides["activations"] = {"enabled": False}
         overrides["sae"] = {"enabled": False}
     concurrency = sorted(set(getattr(args, "concurrency", None) or []))

@@ -122,10 +122,21 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             return sum(len(h.result().sequence_ids) for h in handles)
         return run
 
-    engine.set_capture(hidden_states=True, attention=True)  # the default capture
+    def capture(hidden: bool, attention: bool, fn: Callable[[], int]) -> Callable[[], int]:
+        def run() -> int:
+            engine.set_capture(hidden_states=hidden, attention=attention)
+            try:
+                return fn()
+            finally:
+                engine.set_capture(hidden_states=True, attention=True)  # the default capture
+        return run
+
     paths: dict[str, Callable[[], int]] = {}
     single = [engine.encode(PROMPTS[0])]
     paths["hf generate, 1 request"] = hf_batch(single)
+    if device.type == "cuda":
+        paths["hf generate, static cache, 1 request"] = hf_batch(single, static=True)
+    paths["raylens, 1 request (no capture)"] = capture(False, False, ours(single, None))
     paths["raylens, 1 request (default capture)"] = ours(single, None)
     paths["raylens, 1 request + logits mod"] = ours(single, [logits_mod])
     for n in concurrency:
@@ -150,6 +161,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             runs[name].append(produced / elapsed)
             progress(f"repeat {r + 1}/{repeats}  {name:<48} {produced / elapsed:9.1f} tok/s")
     medians = {name: statistics.median(v) for name, v in runs.items()}
+    graph_stats = dict(getattr(backend, "graph_stats", {}))
     rows = []
     for name, value in medians.items():
         n = 1 if "1 request" in name else int(name.split("of ")[-1].split()[0]) if "batch of" in name \
@@ -158,12 +170,27 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         rows.append({"path": name, "concurrency": n, "tokens_per_s": value, "vs_hf_padded": value / reference,
                      "runs": runs[name]})
     return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
-            "new_tokens": new_tokens, "repeats": repeats, "rows": rows}
+            "new_tokens": new_tokens, "repeats": repeats, "rows": rows, "graph_stats": graph_stats,
+            "machine": _machine()}
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
 
 
 def format_concurrency(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']} on {report['device']} ({report['dtype']}), {report['new_tokens']} new tokens "
-             f"per request, greedy, median of {report['repeats']}", "",
+             f"per request, greedy, median of {report['repeats']}; {report.get('machine')}; "
+             f"decode {report.get('graph_stats')}", "",
              "| path | tokens/s | vs hf generate (same N) |", "|---|---:|---:|"]
     for row in report["rows"]:
         lines.append(f"| {row['path']} | {row['tokens_per_s']:.1f} | {row['vs_hf_padded']:.2f}x |")

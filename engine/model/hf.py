@@ -25,12 +25,14 @@ from engine.model.backend import ForwardRow, ModelInfo, RowOutput
 from engine.model.capture import (
     CAPTURE_KWARG,
     AttentionCapture,
+    RowCapture,
     check_layer,
     ensure_attention_registered,
     hidden_states_index,
     split_rows,
 )
 from engine.model.devices import resolve_device, resolve_dtype
+from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
 from engine.model.kv_cache import BatchCacheView, SlotKVCache
 from engine.model.loading import load_model_and_tokenizer
 
@@ -73,10 +75,19 @@ class HuggingFaceBackend:
         )
         self._max_sequence = min(config.max_sequence or max_context, max_context)
         head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
-        self.cache = SlotKVCache(num_layers=self.info.num_layers, slots=config.max_batch,
+        mode = config.graph_decode
+        self._graph_capture = mode == "auto" and self.device.type == "cuda"
+        self._static_decode = self._graph_capture or mode == "static"
+        # graphs hold the cache's addresses: a static cache is allocated whole, once
+        capacity = self._max_sequence if self._static_decode else config.initial_cache_tokens
+        # one slot per request, plus a scratch slot that static decode's padding rows write to
+        self.cache = SlotKVCache(num_layers=self.info.num_layers, slots=config.max_batch + 1,
                                  kv_heads=self.info.num_key_value_heads, head_dim=head_dim,
-                                 capacity=config.initial_cache_tokens, max_capacity=self._max_sequence,
+                                 capacity=capacity, max_capacity=self._max_sequence,
                                  dtype=self.dtype, device=self.device)
+        self._graphs: dict[GraphKey, StaticDecode] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_capture else None
+        self.graph_stats = {"static_steps": 0, "eager_steps": 0, "graphs": 0}
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -148,9 +159,44 @@ class HuggingFaceBackend:
             raise InvalidRequestError(f"request {row.request_id!r} holds no cache slot", parameter="request_id",
                                       value=row.request_id) from None
 
+    def _static_fits(self, rows: Sequence[ForwardRow]) -> bool:
+        """One-token rows on the dense slots 0 … n-1, no steering: the static/graph decode path."""
+        return (self._static_decode and len(rows[0].tokens) == 1 and all(r.steer is None for r in rows)
+                and [self._slot(r) for r in rows] == list(range(len(rows))))
+
+    def _run_static(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
+        plans = [r.plan for r in rows]
+        hidden_layers = tuple(sorted({layer for p in plans for layer in p.hidden_layers}))
+        attention_layers = tuple(sorted({layer for p in plans for layer in p.attention_layers}))
+        starts = [r.start for r in rows]
+        key = GraphKey(batch_bucket(len(rows), self.max_batch), length_bucket(max(starts) + 1, self.cache.capacity),
+                       hidden_layers, attention_layers)
+        decode = self._graphs.get(key)
+        if decode is None:
+            decode = self._graphs[key] = StaticDecode(self.model, self.cache, key, scratch_slot=self.max_batch,
+                                                      capture=self._graph_capture, pool=self._graph_pool)
+            self.graph_stats["graphs"] = len(self._graphs)
+        logits, hidden, patterns = decode.run([r.tokens[0] for r in rows], starts)
+        self.graph_stats["static_steps"] += 1
+        outputs = []
+        for b, row in enumerate(rows):
+            self._lengths[row.request_id] = max(self._lengths.get(row.request_id, 0), row.start + 1)
+            captured = RowCapture({layer: hidden[layer][b:b + 1] for layer in row.plan.hidden_layers},  # (1, d)
+                                  {layer: patterns[layer][b][:, :, : row.start + 1]  # (h, 1, kv)
+                                   for layer in row.plan.attention_layers})
+            outputs.append(RowOutput(logits[b], captured))
+        return outputs
+
     def _run(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
         """One forward of rows that all feed ``q`` tokens."""
         q = len(rows[0].tokens)
+        if max(r.start for r in rows) + q > self._max_sequence:
+            raise ContextOverflowError(f"a request must fit {self._max_sequence} positions, needs "
+                                       f"{max(r.start for r in rows) + q}", parameter="max_sequence")
+        if self._static_fits(rows):
+            with torch.inference_mode():
+                return self._run_static(rows)
+        self.graph_stats["eager_steps"] += 1
         starts = [r.start for r in rows]
         end = max(starts) + q
         if end > self._max_sequence:

@@ -1,0 +1,139 @@
+"""The decode forward on static buffers, captured once per shape as a CUDA graph and replayed.
+
+On a GPU the eager forward is bound by Python and kernel launches, not by the model: an 8B and a
+135M model run at the same ~30 tokens/s. A replayed graph launches the whole forward at once.
+Graphs need every tensor the forward touches at a fixed address and every shape fixed, so one
+:class:`StaticDecode` exists per :class:`GraphKey` — batch bucket (1, 2, 4, …, ``max_batch``),
+attended-length bucket (a power of two, at most the cache's capacity) and the capture plan (which
+hidden states and attention patterns the graph writes out):
+
+* inputs are static device tensors updated in place before each replay: token ids ``(B, 1)`` and
+  positions ``(B, 1)``; the causal mask is computed from the positions *inside* the graph, so a
+  Backtrack (an earlier position) needs no recapture and nothing inside reads back to the host;
+* the batch's rows are the dense slots ``0 … n-1``; rows ``n … B-1`` of a bucket are padding whose
+  keys/values go to a scratch slot no request owns (as do the warm-up and capture runs), so padding
+  never touches a live request's cache;
+* outputs — logits ``(B, V)``, each captured layer's residual stream ``(B, d)``, each captured
+  layer's newest attention row ``(B, heads, L)`` — are static too: :meth:`StaticDecode.run`
+  copies them out before the next replay can overwrite them. A changed plan selects another graph;
+  it never drops a capture.
+
+``capture=False`` runs exactly the same static-buffer code eagerly (the CPU tests' path, and the
+fallback when capture is unavailable); prefill and multi-token forced chunks always run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from engine.model.capture import CAPTURE_KWARG, AttentionCapture, hidden_states_index
+from engine.model.kv_cache import BatchCacheView, SlotKVCache
+
+__all__ = ["GraphKey", "StaticDecode", "batch_bucket", "length_bucket"]
+
+log = logging.getLogger("raylens.graphs")
+
+MIN_LENGTH_BUCKET = 64
+
+
+def batch_bucket(n: int, max_batch: int) -> int:
+    """The smallest power of two ≥ ``n`` (or ``max_batch`` when that is smaller)."""
+    bucket = 1
+    while bucket < n:
+        bucket *= 2
+    return min(bucket, max_batch)
+
+
+def length_bucket(n: int, capacity: int) -> int:
+    """The smallest power of two ≥ ``n`` positions, at least :data:`MIN_LENGTH_BUCKET`, at most the
+    cache's capacity."""
+    bucket = MIN_LENGTH_BUCKET
+    while bucket < n:
+        bucket *= 2
+    return min(bucket, capacity)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    batch: int
+    kv_len: int
+    hidden_layers: tuple[int, ...]
+    attention_layers: tuple[int, ...]
+
+
+class StaticDecode:
+    """Static buffers (and on CUDA the captured graph) of one decode shape."""
+
+    def __init__(self, model: Any, cache: SlotKVCache, key: GraphKey, *, scratch_slot: int, capture: bool,
+                 pool: Any = None) -> None:
+        self.model, self.key = model, key
+        self.scratch_slot = scratch_slot
+        device = cache.device
+        b, length = key.batch, key.kv_len
+        self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
+        self.positions = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
+        self.key_positions = torch.arange(length, device=device)  # (L,)
+        slots = torch.arange(b, dtype=torch.long, device=device)
+        self.write_rows = torch.full((b,), scratch_slot, dtype=torch.long, device=device)  # warm-up writes: scratch
+        self.view = BatchCacheView(cache, slots, self.write_rows, self.positions.view(-1), length, dense=True)
+        self.attention = AttentionCapture({layer: list(range(b)) for layer in key.attention_layers}, b, False) \
+            if key.attention_layers else None
+        self.graph = None
+        self.capture_error: str | None = None
+        self.outputs = self._forward()  # first run: allocations and lazy initialisation
+        if capture:
+            try:
+                self._capture(pool)
+            except Exception as err:  # this shape stays on the static-buffer eager path, as the CPU runs it
+                self.graph, self.capture_error = None, f"{type(err).__name__}: {err}"
+                log.warning("CUDA graph capture failed for %s (%s); decoding this shape eagerly", key,
+                            self.capture_error)
+
+    def _forward(self) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        mask = self.key_positions[None, None, None, :] <= self.positions[:, None, :, None]  # (B, 1, 1, L)
+        kwargs: dict[str, Any] = {}
+        if self.key.hidden_layers:
+            kwargs["output_hidden_states"] = [hidden_states_index(layer) for layer in self.key.hidden_layers]
+        if self.attention is not None:
+            self.attention.patterns = {}
+            kwargs[CAPTURE_KWARG] = self.attention
+        out = self.model(input_ids=self.ids, position_ids=self.positions, attention_mask=mask,
+                         past_key_values=self.view, use_cache=True, logits_to_keep=1, **kwargs)
+        logits = out.logits[:, -1].float()  # (B, V)
+        hidden = {layer: out.hidden_states[hidden_states_index(layer)][:, -1] for layer in self.key.hidden_layers}
+        patterns = dict(self.attention.patterns) if self.attention is not None else {}  # (B, h, 1, L)
+        return logits, hidden, patterns
+
+    def _capture(self, pool: Any) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up on a side stream, as CUDA graph capture requires
+                self._forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs = self._forward()
+        self.graph = graph
+
+    def run(self, tokens: Sequence[int], starts: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor],
+                                                                         dict[int, torch.Tensor]]:
+        """Rows ``0 … len(tokens)-1`` feed one token each at ``starts``; returns copies of the
+        outputs (logits ``(n, V)``, hidden ``layer → (n, d)``, patterns ``layer → (n, h, 1, L)``)."""
+        n, b = len(tokens), self.key.batch
+        pad = b - n
+        self.write_rows.copy_(torch.tensor(list(range(n)) + [self.scratch_slot] * pad, dtype=torch.long),
+                              non_blocking=True)
+        self.ids.copy_(torch.tensor([[t] for t in tokens] + [[0]] * pad, dtype=torch.long), non_blocking=True)
+        self.positions.copy_(torch.tensor([[s] for s in starts] + [[0]] * pad, dtype=torch.long), non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+            logits, hidden, patterns = self.outputs
+        else:
+            logits, hidden, patterns = self._forward()
+        return (logits[:n].clone(), {k: v[:n].clone() for k, v in hidden.items()},
+                {k: v[:n].clone() for k, v in patterns.items()})
