@@ -34,6 +34,7 @@ _QUERIES = {
 @ray.remote
 class StoreActor:
     def __init__(self, activations: dict[str, Any]) -> None:
+        self.activations = dict(activations)
         self.store = ActivationStore.from_config(ActivationsConfig(**activations))
 
     def version(self) -> str:
@@ -42,6 +43,10 @@ class StoreActor:
     def db_path(self) -> str:
         """The DuckDB file this actor owns (the topology refuses a second owner of one file)."""
         return str(self.store.db_path)
+
+    def settings(self) -> dict[str, Any]:
+        """The ``activations`` section it was built from (to name what differs in a conflict)."""
+        return dict(self.activations)
 
     def claim_request_ids(self, request_ids: list[str], run_id: str, max_chars: int | None = None) -> list[str]:
         return self.store.claim_request_ids(request_ids, run_id, max_chars=max_chars)

@@ -178,7 +178,7 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
                     tally.failed += 1
                 write(flight, result)
     drained = [_settled(g.drain, timeout=timeout * 4) for g in topo.generators]
-    ingest_after = _settled(topo.ingest.flush, timeout=timeout)
+    ingest_after = _ingest_settled(topo.ingest, timeout)
     counts = _settled(topo.store.request_counts, tally.ids, timeout=timeout) if tally.ids else {}
     elapsed = time.perf_counter() - started
     return {
@@ -194,6 +194,18 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
         "run_id": run_id,
         "generators": drained,
     }
+
+
+def _ingest_settled(ingest: Any, timeout: float) -> dict[str, Any]:
+    """The IngestActor's counts once every payload handed to it has been sent or spooled: its own
+    flusher thread may be mid-send when our ``flush`` returns, so wait (bounded) for the counts."""
+    stats = _settled(ingest.flush, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while (stats["delivered"] + stats["spooled"] + stats["dropped_without_url"] < stats["submitted"]
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+        stats = _settled(ingest.stats, timeout=timeout)
+    return stats
 
 
 def _after_generator_death(topo: Any, flight: _Flight, err: Exception, run_id: str, timeout: float,

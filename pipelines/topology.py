@@ -312,15 +312,21 @@ def _check_store_owner(config: RaylensConfig, name: str) -> None:
         if entry["namespace"] != namespace or other == name or not other.startswith(f"{STORE}-"):
             continue
         try:
-            held = ray.get(ray.get_actor(other, namespace=namespace).db_path.remote(), timeout=config.ray.call_timeout_s)
+            handle = ray.get_actor(other, namespace=namespace)
+            held = ray.get(handle.db_path.remote(), timeout=config.ray.call_timeout_s)
+            theirs = ray.get(handle.settings.remote(), timeout=config.ray.call_timeout_s)
         except (ValueError, AttributeError, RayActorError, GetTimeoutError):
             continue  # gone, or older code that get-or-create replaces anyway
         if str(Path(held).resolve()) == wanted:
+            ours = dataclasses.asdict(config.activations)
+            differ = "; ".join(f"{k}: {theirs.get(k)!r} there, {v!r} here" for k, v in ours.items()
+                               if _canonical(theirs.get(k)) != _canonical(v)) or "its code or resources"
             raise ActorConfigConflictError(
                 f"`activations` must match the settings of the running {other}, which holds the store `{wanted}` "
-                "(DuckDB allows one writer), got other settings. Run with that store's settings, use another "
-                "`activations.db_path`, or stop the running actors first: `raylens stop --all` (or "
-                "`raylens stop --config OLD.yaml`)", parameter="activations", value=wanted)
+                f"(DuckDB allows one writer), got other settings ({differ}). Run with that store's settings "
+                "(relative paths count as written: give absolute ones), use another `activations.db_path`, or "
+                "stop the running actors first: `raylens stop --all` (or `raylens stop --config OLD.yaml`)",
+                parameter="activations", value=wanted)
 
 
 def build_topology(config: RaylensConfig) -> Topology:

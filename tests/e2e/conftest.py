@@ -65,11 +65,14 @@ def ray_head(tmp_path_factory):
 
 
 def ray_config(tmp_path: Path, *, ingest_url: str | None = None, **ray_overrides):
-    """The local config with the committed SAE on, a private store and namespace."""
+    """The local config with the committed SAE on, a private store and namespace. Every path is
+    absolute, as a job makes them: the actors are keyed by the config they hold, and a job reading
+    this config from a file must find the test's own actors."""
     cfg = build_config()
     return dataclasses.replace(
         cfg,
-        activations=dataclasses.replace(cfg.activations, enabled=True, db_path=str(tmp_path / "store.duckdb")),
+        activations=dataclasses.replace(cfg.activations, enabled=True, db_path=str(tmp_path / "store.duckdb"),
+                                        parquet_path=str(tmp_path / "parquet")),
         sae=dataclasses.replace(cfg.sae, enabled=True, block_steps=2),
         ingest=dataclasses.replace(cfg.ingest, url=ingest_url, retries=1, timeout_s=2.0,
                                    spool_dir=str(tmp_path / "spool")),
