@@ -116,7 +116,7 @@ def test_a_job_with_another_store_path_gets_its_own_actors_and_never_the_old_one
     clash = changed(other, "activations", threads=1)  # the same file, other settings: DuckDB allows one writer
     before = raylens_actors(base.ray.namespace)
     with pytest.raises(ActorConfigConflictError, match=r"`activations` must match the settings of the running "
-                                                       r"raylens-store-.*raylens stop"):
+                                                       r"raylens-store-.*\(threads: 2 there, 1 here\).*raylens stop"):
         build_topology(clash)
     assert raylens_actors(base.ray.namespace) == before  # nothing created
 
