@@ -221,17 +221,22 @@ def ensure_attention_registered() -> str:
 
 
 def split_rows(outputs: Any, plans: Sequence[CapturePlan], capture: AttentionCapture | None,
-               hidden_index: dict[int, int], contexts: Sequence[int]) -> list[RowCapture]:
-    """Each row's own internals: its hidden layers ``(q, d)`` and its patterns cut to its own
-    context length ``contexts[row]`` (the batch attends over the longest row's positions)."""
+               hidden_index: dict[int, int], contexts: Sequence[int], lengths: Sequence[int]) -> list[RowCapture]:
+    """Each row's own internals from a left-padded batch: its ``lengths[row]`` real tokens are the
+    last columns. Hidden layers ``(q, d)``; patterns cut to the row's own query rows (all of them
+    when its plan asks, else the newest) and its own context length ``contexts[row]``."""
+    q = max(lengths)
     rows = []
     taken = {layer: 0 for layer in (capture.rows_for_layer if capture else {})}
     for row, plan in enumerate(plans):
-        hidden = {layer: outputs.hidden_states[hidden_index[layer]][row] for layer in plan.hidden_layers}
+        first = q - lengths[row]
+        hidden = {layer: outputs.hidden_states[hidden_index[layer]][row, first:] for layer in plan.hidden_layers}
         attention = {}
         for layer in plan.attention_layers:
-            pattern = capture.patterns[layer][taken[layer]]  # type: ignore[union-attr]
+            pattern = capture.patterns[layer][taken[layer]]  # type: ignore[union-attr]  (h, q or 1, kv)
             taken[layer] += 1
+            if pattern.shape[1] > 1:
+                pattern = pattern[:, first:] if plan.all_query_rows else pattern[:, -1:]
             attention[layer] = pattern[:, :, : contexts[row]]
         rows.append(RowCapture(hidden, attention))
     return rows

@@ -140,16 +140,18 @@ class HuggingFaceBackend:
     # ----------------------------------------------------------------------------------- forward
 
     def forward(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
+        """Decode rows (one token each) share one forward — a replayed graph when they fit one;
+        every prefill-shaped row (a prompt, a forced chunk) shares another, left-padded."""
         outputs: list[RowOutput | None] = [None] * len(rows)
-        decode = sorted((i for i, r in enumerate(rows) if len(r.tokens) == 1), key=lambda i: self._slot(rows[i]))
-        if decode:
-            for i, out in zip(decode, self._run([rows[i] for i in decode])):
-                outputs[i] = out
-        for i, row in enumerate(rows):
-            if len(row.tokens) > 1:
-                outputs[i] = self._run([row])[0]
-            elif not row.tokens:
+        for row in rows:
+            if not row.tokens:
                 raise InvalidRequestError(f"request {row.request_id!r} has no token to feed", parameter="tokens")
+        for single in (True, False):
+            group = sorted((i for i, r in enumerate(rows) if (len(r.tokens) == 1) == single),
+                           key=lambda i: self._slot(rows[i]))
+            if group:
+                for i, out in zip(group, self._run([rows[i] for i in group])):
+                    outputs[i] = out
         return outputs  # type: ignore[return-value]
 
     def _slot(self, row: ForwardRow) -> int:
@@ -188,26 +190,26 @@ class HuggingFaceBackend:
         return outputs
 
     def _run(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
-        """One forward of rows that all feed ``q`` tokens."""
-        q = len(rows[0].tokens)
-        if max(r.start for r in rows) + q > self._max_sequence:
-            raise ContextOverflowError(f"a request must fit {self._max_sequence} positions, needs "
-                                       f"{max(r.start for r in rows) + q}", parameter="max_sequence")
+        """One forward of ``rows`` (each ``q_b`` tokens, left-padded to the longest)."""
+        lengths = [len(r.tokens) for r in rows]
+        starts = [r.start for r in rows]
+        end = max(s + n for s, n in zip(starts, lengths))
+        if end > self._max_sequence:
+            raise ContextOverflowError(f"a request must fit {self._max_sequence} positions, needs {end}",
+                                       parameter="max_sequence", value=end)
         if self._static_fits(rows):
             with torch.inference_mode():
                 return self._run_static(rows)
         self.graph_stats["eager_steps"] += 1
-        starts = [r.start for r in rows]
-        end = max(starts) + q
-        if end > self._max_sequence:
-            raise ContextOverflowError(f"a request must fit {self._max_sequence} positions, needs {end}",
-                                       parameter="max_sequence", value=end)
+        q = max(lengths)
         self.cache.ensure_capacity(end)
-        view = BatchCacheView.build(self.cache, [self._slot(r) for r in rows], starts, q)
-        ids = torch.tensor([list(r.tokens) for r in rows], dtype=torch.long, device=self.device)  # (B, q)
-        positions = view.write_positions.view(len(rows), q)  # (B, q)
+        view, positions = BatchCacheView.build(self.cache, [self._slot(r) for r in rows], starts, lengths,
+                                               scratch_slot=self.max_batch)  # positions (B, q)
+        ids = torch.tensor([[0] * (q - len(r.tokens)) + list(r.tokens) for r in rows], dtype=torch.long,
+                           device=self.device)  # (B, q)
         key_pos = torch.arange(view.kv_len, device=self.device)
         mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, q, kv): causal per row
+        # padding columns (position 0 in the map) see key 0 only, so no query row is all -inf
         plans = [r.plan for r in rows]
         hidden_layers = sorted({layer for p in plans for layer in p.hidden_layers})
         kwargs: dict[str, Any] = {}
@@ -219,18 +221,18 @@ class HuggingFaceBackend:
         with torch.inference_mode(), self._steering(rows):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=view,
                              use_cache=True, logits_to_keep=1, **kwargs)
-        for r in rows:
-            self._lengths[r.request_id] = max(self._lengths.get(r.request_id, 0), r.start + q)
-        logits = out.logits[:, -1].float()  # (B, V)
+        for r, n in zip(rows, lengths):
+            self._lengths[r.request_id] = max(self._lengths.get(r.request_id, 0), r.start + n)
+        logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
-        captured = split_rows(out, plans, capture, hidden_index, [s + q for s in starts])
+        captured = split_rows(out, plans, capture, hidden_index, [s + n for s, n in zip(starts, lengths)], lengths)
         return [RowOutput(logits[b], captured[b]) for b in range(len(rows))]
 
     @contextlib.contextmanager
     def _steering(self, rows: Sequence[ForwardRow]):
         """While rows steer: a hook on their layer adds each row's vector ``(d,)`` to the residual
         stream it outputs (rows without a steer add zeros); removed in ``finally``."""
-        steered = [r for r in rows if r.steer is not None]
+        steered = [r for r in rows if r.steer is not None]  # delta (B, 1, d) broadcasts over q
         if not steered:
             yield
             return

@@ -84,15 +84,22 @@ class BatchCacheView:
     dense: bool  # slots are 0 … B-1 in order: read through a view, no gather
 
     @classmethod
-    def build(cls, cache: SlotKVCache, slots: list[int], starts: list[int], q: int) -> "BatchCacheView":
+    def build(cls, cache: SlotKVCache, slots: list[int], starts: list[int], lengths: list[int], *,
+              scratch_slot: int) -> tuple["BatchCacheView", torch.Tensor]:
+        """Rows feeding ``lengths[b]`` tokens each, left-padded to the longest: row ``b``'s real
+        tokens sit in the last ``lengths[b]`` columns at positions ``starts[b], …``; padding columns
+        write ``scratch_slot`` (no request's slot). Returns the view and the ``(B, q)`` positions."""
+        q = max(lengths)
+        rows, positions = [], []
+        for slot, start, n in zip(slots, starts, lengths):
+            rows += [scratch_slot] * (q - n) + [slot] * n
+            positions += [0] * (q - n) + list(range(start, start + n))
         device = cache.device
-        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
-        offsets = torch.arange(q, dtype=torch.long, device=device)
-        start_t = torch.tensor(starts, dtype=torch.long, device=device)
-        positions = (start_t[:, None] + offsets[None, :]).reshape(-1)  # (B*q,)
-        rows = slot_t.repeat_interleave(q)
-        dense = slots == list(range(len(slots)))
-        return cls(cache, slot_t, rows, positions, max(starts) + q, dense)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=device)  # (B*q,)
+        view = cls(cache, torch.tensor(slots, dtype=torch.long, device=device),
+                   torch.tensor(rows, dtype=torch.long, device=device), pos_t,
+                   max(s + n for s, n in zip(starts, lengths)), slots == list(range(len(slots))))
+        return view, pos_t.view(len(slots), q)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
