@@ -1,4 +1,4 @@
-"""``ActionBuilder``: the ``actions`` argument of ``@mod`` handlers (compat §2.4).
+"""``ActionBuilder``: the ``actions`` argument of ``@mod`` handlers.
 
 Keyword names (``steps=``, ``tokens=``) are part of the contract; test mods call them by name.
 Event checks use ``isinstance``, unlike :func:`validate_action`'s exact-type table.

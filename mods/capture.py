@@ -1,7 +1,7 @@
 """Per-mod-call capture of ``print`` output and ``logging`` records.
 
 The original swapped ``sys.stdout`` around every mod call (``redirect_stdout``), which is process
-global: two requests running in threads got each other's prints (compat ⚠F19). Here one stdout
+global: two requests running in threads got each other's prints. Here one stdout
 router is installed once; each write goes to the capture buffer selected by a ``ContextVar`` for
 the current thread/context, or to the real stream when no mod call is running. A logging handler
 on the root logger does the same for log records.

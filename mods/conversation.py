@@ -4,9 +4,10 @@ The engine stores each request's chat ``messages`` (exactly as the client sent t
 ``schemas`` (the response-format schema, then the tools) before generation; a mod reads them with
 :func:`get_conversation` / :func:`get_schemas` while ModManager has set the request as the active
 one in a context variable. The stores are in this process's memory, keyed by request id — the
-original wrote ``/tmp/<request_id>`` files (⚠F20); nothing here touches the file system.
+original wrote ``/tmp/<request_id>`` files (request ids became file paths); nothing here touches
+the file system.
 
-Access rules (compat §5.5): with no id, the active request is read (none active → ``[]``); an
+Access rules: with no id, the active request is read (none active → ``[]``); an
 explicit id that is not the active one raises ``PermissionError``, so a mod cannot read another
 request's conversation. Reads return deep copies.
 """
@@ -114,7 +115,7 @@ def clear_request(request_id: str) -> None:
 
 def schemas_from_request(response_format: Any, tools: Iterable[Any] | None) -> list[Any]:
     """The schema list of a chat request: the response format's JSON schema (or the whole
-    response_format when it has none), then each tool verbatim (compat §4.9)."""
+    response_format when it has none), then each tool verbatim."""
     schemas: list[Any] = []
     if response_format:
         json_schema = response_format.get("json_schema") if isinstance(response_format, dict) else None

@@ -5,10 +5,10 @@ Legacy mods import this module as ``quote_mod_sdk.mod``. Handlers are written as
 as ``mod(event, tokenizer=None)`` and always returns a validated action.
 
 ``@mod`` uses ``functools.wraps`` so the wrapper carries ``__wrapped__`` and the handler's name:
-the original harness finds mods by ``__wrapped__`` (compat §1.3 rule 5), and mod names in logs
+the original test harness finds a mod as a function with ``__wrapped__``, and mod names in logs
 come from ``__name__``.
 
-Two-argument fallback (compat §2.5, ⚠F2): the original retried *any* ``TypeError`` with two
+Two-argument fallback: the original retried *any* ``TypeError`` with two
 arguments, running the handler body twice and losing the real error. We keep the retry only where
 it can help — a handler whose signature accepts both forms — and otherwise call the handler with
 the arity its signature takes, so a ``TypeError`` raised inside a handler surfaces as itself.

@@ -1,4 +1,4 @@
-"""FlowEngine: a graph of self-prompted questions with routes (``quote_mod_sdk.flow``, compat §5.4).
+"""FlowEngine: a graph of self-prompted questions with routes (legacy name ``quote_mod_sdk.flow``).
 
 Each :class:`FlowQuestion` is asked through a SelfPrompt. When its answer is complete, the
 answer is stored (``state.answers[name]``), its assignments run, and its route is taken: another
@@ -6,9 +6,9 @@ question (asked at once on a ForwardPass, at the next one after an Added), a mes
 (forced, ending with EOS), a tool callback, a ForceOutput, or nothing.
 
 Kept from the original because production mods touch them: ``_states`` and ``_get_state``, the
-SelfPrompt cache keyed by question *name* (⚠F16: a later question object with the same name
-reuses it), Prefilled resetting the flow to the entry question, and a TOOL callback that raises
-being called again with only the state.
+SelfPrompt cache keyed by question *name* (a later question object with the same name but a
+different prompt or strategy reuses the cached SelfPrompt), Prefilled resetting the flow to the
+entry question, and a TOOL callback that raises being called again with only the state.
 """
 
 from __future__ import annotations

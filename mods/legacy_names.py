@@ -3,12 +3,13 @@
 Mods written for the original SDK import ``quote_mod_sdk[...]``, ``sdk.quote_mod_sdk[...]``,
 ``shared.types``, ``shared.utils``, ``shared.conversation`` and ``max.driver.Tensor``. They must
 load with zero changes, so :func:`install_legacy_names` makes those names resolve to the modules
-of this package — the *same module objects*, never copies (compat §1.3: two copies of the SDK
-give two ``EraseMode`` enums that do not compare equal).
+of this package — the *same module objects*, never copies (two copies of the SDK give two
+``EraseMode`` enums that do not compare equal).
 
 Nothing happens at import time: the mod loader calls :func:`install_legacy_names` before it
 executes a mod, and the engine calls it with its tensor class so ``max.driver.Tensor`` is the
-class it puts into ``ForwardPass.logits`` (compat §1.3 rule 3).
+class it puts into ``ForwardPass.logits`` (so ``Tensor.from_numpy(...)`` in a mod yields a
+value the engine accepts).
 
 Every alias is entered into ``sys.modules`` eagerly. A meta-path finder answers any other
 ``quote_mod_sdk.X`` / ``sdk.quote_mod_sdk.X`` with ``mods.X``. Eager entries matter for

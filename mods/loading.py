@@ -1,4 +1,4 @@
-"""Loading mods: from a ``.py`` file, from a payload dict (compat §3.3), or as given callables.
+"""Loading mods: from a ``.py`` file, from a payload dict, or as given callables.
 
 Legacy code imports this module as ``quote.mods.sdk_bridge``. Every path here installs the
 legacy import names first (:mod:`mods.legacy_names`), so existing mod files load unchanged.
@@ -157,7 +157,7 @@ def _import_entry(namespace: PayloadNamespace, module_name: str, what: str) -> t
 
 
 def _bridge(candidate: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """Wrap a payload mod as the original bridge did (compat §3.3), keeping the cause chained.
+    """Wrap a payload mod as the original bridge did, keeping the cause chained.
 
     Only ``Exception`` becomes ``ModPayloadError``; a ``BaseException`` (``SystemExit``…) passes
     through to the ModManager, which records it and ends the request.
@@ -316,7 +316,7 @@ def _load_from_directory(payload: Mapping[str, Any], entrypoint: str, allowed_di
 
 def load_mod_from_payload(payload: Mapping[str, Any], *,
                           allowed_dirs: Iterable[str | Path] | None = None) -> Callable[..., Any]:
-    """Load a mod from a payload dict (compat §3.3), in this order of forms:
+    """Load a mod from a payload dict, in this order of forms:
 
     * bundle — ``source`` maps relative paths to code, ``module`` names the entry module;
     * directory — ``dir`` (or ``files``) plus ``module``; only inside ``allowed_dirs`` (the

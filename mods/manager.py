@@ -1,6 +1,6 @@
 """ModManager: calls every registered mod for an event and records what each call did.
 
-Legacy code imports this module as ``quote.mods.manager``. Contract (compat §3.1):
+Legacy code imports this module as ``quote.mods.manager``. Contract:
 
 * every mod is called, in registration order, for every event — no short-circuit here; the
   generation loop decides which returned actions it processes. The one exception is a *fatal*
@@ -12,7 +12,8 @@ Legacy code imports this module as ``quote.mods.manager``. Contract (compat §3.
   and, when it printed, ``_mod_logs``.
 
 ``dispatch_traced`` returns the full :class:`ModCall` records (timing, logs, exception) that
-the ingest payload is built from. Unlike the original, nothing is written to ``/tmp`` (⚠F18).
+the ingest payload is built from. Unlike the original, which wrote per-request debug files to
+``/tmp`` on every dispatch, nothing is written to disk.
 
 Fatal calls. Many requests share the process (a generator serves a batch), so no mod may stop or
 hang it:

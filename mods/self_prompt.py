@@ -1,5 +1,5 @@
 """SelfPrompt: the model prompts itself mid-answer, answers under a strategy, and (optionally)
-erases the exchange (``quote_mod_sdk.self_prompt``, compat §5.2).
+erases the exchange (legacy name ``quote_mod_sdk.self_prompt``).
 
 Per request: at the first ForwardPass the prompt is forced; while the strategy runs, each
 ForwardPass masks the logits to the strategy's allowed tokens (AdjustedLogits, float32 numpy
@@ -8,7 +8,7 @@ suffix is forced, then — with ``EraseMode.PROMPT`` or ``ALL`` — a Backtrack 
 answer and suffix (``PROMPT`` re-injects the answer).
 
 Kept from the original because mods depend on it: per-request state in ``_states`` (never
-evicted; FlowEngine reads it), a ``completion`` dict produces no suffix (⚠F11), and forced
+evicted; FlowEngine reads it), a ``completion`` dict produces no suffix, and forced
 Added events of any mod count against the prompt/suffix still outstanding.
 """
 
@@ -259,7 +259,7 @@ def self_prompt_mod(*, prompt: Optional[Dict[str, Any]] = None, strategy: Strate
                     completion: Optional[Dict[str, Any]] = None, erase: EraseMode = EraseMode.NONE,
                     mask_value: float = -1e9) -> ModCallable:
     """A ready-made mod around one SelfPrompt. (Its documented completion suffix is not applied,
-    as in the original: only a plain string completion produces one, ⚠F11.)"""
+    as in the original: only a plain string completion produces one.)"""
     helper = SelfPrompt(prompt=prompt, strategy=strategy, completion=completion, erase=erase, mask_value=mask_value)
 
     @mod

@@ -1,4 +1,9 @@
-"""``serialize_mod``: a mod function as an inline-source payload (compat §2.7, §3.3)."""
+"""``serialize_mod``: a mod function as an inline-source payload.
+
+The payload is ``language``, ``module``, ``entrypoint`` and the dedented source of the whole
+defining module (plus ``name`` / ``description`` when given);
+:func:`mods.loading.load_mod_from_payload` loads it back.
+"""
 
 from __future__ import annotations
 

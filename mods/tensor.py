@@ -1,4 +1,4 @@
-"""The tensor surface mods program against (``max.driver.Tensor``, compat §5.1).
+"""The tensor surface mods program against (legacy name ``max.driver.Tensor``).
 
 The engine puts its own class (``engine.model.tensor.TensorShim``, over torch) into
 ``ForwardPass.logits`` and binds it as ``max.driver.Tensor``. This numpy-backed class is the

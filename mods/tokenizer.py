@@ -1,4 +1,9 @@
-"""``tokenize(text, tokenizer)``: the SDK's one way to turn text into ids (compat §2.6)."""
+"""``tokenize(text, tokenizer)``: the SDK's one way to turn text into ids.
+
+A tokenizer with ``encode`` is called with ``add_special_tokens`` (default ``False``); a callable
+one may return a dict with ``input_ids``. The result is always a list of ints; any encoding
+failure is re-raised as ``RuntimeError``.
+"""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Mod events and actions: the contract between the generation loop and mods.
 
 This module is what legacy mods import as ``shared.types``. The classes keep the shape of the
-original SDK (compat §2): plain mutable classes, public attributes, no dataclasses, no slots,
+original SDK: plain mutable classes, public attributes, no dataclasses, no slots,
 no custom equality, because existing mods and the loop set attributes on them freely
 (``_source``, ``_mod_logs``) and validation looks classes up by exact type.
 
-New in raylens (compat §1.3 rule 4): the events carry the model's internals as optional
-keyword-only fields that default to ``None``. They live in memory for mods only and never enter
-the ingest payload.
+New in raylens: the event classes themselves (never subclasses, which the exact-type validation
+table would reject) carry the model's internals as optional keyword-only fields that default to
+``None``. They live in memory for mods only and never enter the ingest payload.
 
 Shapes (``d`` = hidden size, ``h`` = query heads, ``seq`` = tokens in context, ``V`` = logits
 width), all set by the backend at the configured layer:
@@ -52,7 +52,7 @@ __all__ = [
 def _top_k_logprob(logits: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k log-probabilities per row of ``logits.to_numpy()`` ``[B, V]``.
 
-    Returns ``(logprobs [B, k], indices [B, k])`` sorted descending within each row (compat §2.1).
+    Returns ``(logprobs [B, k], indices [B, k])`` sorted descending within each row.
     A 1-D input raises (there is no axis 1), as does ``k > V``.
     """
     arr = np.asarray(logits.to_numpy(), dtype=np.float64)
@@ -98,7 +98,7 @@ def _short(value: Any) -> str:
 
 
 class ContextInfo:
-    """What ``Prefilled.context_info`` carries (compat §4.9).
+    """What ``Prefilled.context_info`` carries (listed in ``docs/generation-rules.md``).
 
     Existing mods read ``tokens`` (prompt ids) and ``_prompt_len``; the rest is for new mods.
     An object rather than a dict so ``context_info.tokens`` works, and always truthy.

@@ -1,7 +1,7 @@
 """Which actions each event allows, and which values an allowed action may carry; legacy mods
 import this module as ``shared.utils``.
 
-The table is keyed by the *exact* event class (compat §2.3): an event subclass is an
+The table is keyed by the *exact* event class: an event subclass is an
 "Unsupported event type", while action subclasses are accepted. It is checked once per mod
 result, at dispatch.
 

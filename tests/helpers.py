@@ -225,7 +225,7 @@ def event_types(result: Any) -> list[str]:
 
 
 def assert_payload_valid(payload: dict[str, Any]) -> None:
-    """Schema-valid, positions consistent, and no internals leaked (compat §10.9)."""
+    """Schema-valid, positions consistent, and no internals (hidden states, attention, input ids) leaked."""
     from engine.schemas import payload_validator
 
     errors = sorted(payload_validator().iter_errors(payload), key=lambda e: list(e.path))

@@ -19,7 +19,7 @@ def available_devices() -> list[str]:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` picks mps > cuda > cpu (seed 000); a named device must exist here."""
+    """``auto`` picks mps, then cuda, then cpu; a named device must exist here."""
     if device == "auto":
         if torch.backends.mps.is_available():
             return torch.device("mps")

@@ -2,7 +2,7 @@
 bridge for mods.
 
 Mods written for the original engine call ``logits.to_numpy()``, ``Tensor.from_numpy(arr)``,
-``type(logits).from_numpy(...)``, ``.to(logits.device)``, ``.shape`` and indexing (compat §5.1).
+``type(logits).from_numpy(...)``, ``.to(logits.device)``, ``.shape`` and indexing.
 The engine binds this class as ``max.driver.Tensor`` so all of those round-trip.
 
 ``to_numpy()`` returns a float32 host *copy* (float16 logits would overflow the ``-1e9`` masks

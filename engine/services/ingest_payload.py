@@ -1,4 +1,4 @@
-"""The per-request ingest payload (seed 001; compat §8; ``ingest-payload.schema.json``).
+"""The per-request ingest payload sent to the backend (``engine/schemas/ingest-payload.schema.json``).
 
 :class:`PayloadRecorder` is the generation loop's recorder. It keeps small raw facts while the
 loop runs — the top-20 log-probabilities stay on the model's device as tensors, token texts are

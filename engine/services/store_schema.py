@@ -5,7 +5,7 @@ when applied, so opening an older store upgrades it in place and nothing is ever
 dropped. The next phase's optional full hidden-state vectors will be one more entry here (a new
 table keyed by request/step/position), not a change to ``activations``.
 
-``activations`` (seed 000 module 6): one row per (token, feature) in a token's top-k.
+``activations``: one row per (token, feature) in a token's top-k SAE features.
 ``step`` is the step of the event whose forward pass computed the hidden state: prompt tokens
 come from the prefill (step 0); a token committed at step ``s`` is read by the model, and so
 encoded, at step ``s + 1``.

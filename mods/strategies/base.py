@@ -1,10 +1,10 @@
-"""Strategy protocols and helpers (legacy name ``quote_mod_sdk.strategies.base``, compat §5.3).
+"""Strategy protocols and helpers (legacy name ``quote_mod_sdk.strategies.base``).
 
 Strategies constrain generation token by token: ``allowed_tokens`` / ``disallowed_tokens`` give
 id sets for the next step, ``step`` advances on each added token. Whole-vocabulary scans read
 :func:`token_texts`, a per-tokenizer table of every id's decoded text built once (one batched
-decode), so no step decodes the vocabulary again (compat §5.1's performance note: a 128k
-vocabulary decoded per step costs seconds).
+decode), so no step decodes the vocabulary again (a 128k vocabulary decoded per step costs
+seconds).
 
 Sets a strategy returns may be :class:`IdSet` — a frozenset that also carries its ids as a sorted
 numpy array, so SelfPrompt masks logits without converting a 49k-element set each step.

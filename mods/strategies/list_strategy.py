@@ -1,12 +1,12 @@
 """ListStrategy: open, elements (optionally wrapped) with separators, close, end_with.
 
-Phase machine (compat §5.3): ``in_open → await_element → [in_wrap_open] → in_element →
+Phase machine: ``in_open → await_element → [in_wrap_open] → in_element →
 [in_wrap_close] → await_sep → in_separator → await_element … → in_close → [in_end_with] →
 complete``. Fixed sequences (open, wrap, sep, close, end_with) are forced one token at a time.
 In ``await_element`` both "start an element" (while under ``max``) and "close" (once ``min``
 elements are done) are allowed; in ``await_sep`` the separator (under ``max``) and close.
 
-The original's known quirks are kept, since mods were written against them (⚠F14): without
+The original's known quirks are kept, since mods were written against them: without
 ``wrap`` an element never hands over to the separator phase; after a one-token separator one
 step has no constraint; an element whose stop character is the wrap character needs it twice.
 """

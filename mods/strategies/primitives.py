@@ -1,10 +1,10 @@
 """Primitive strategies: choices, until, chars, tokens (``quote_mod_sdk.strategies.primitives``).
 
-Behaviour follows compat §5.3. Deliberate differences: CharsStrategy with an integer ``stop``
-means "at most N characters, done at N" (the original crashed on it, ⚠F10); per-vocabulary
-character classes come from the cached :func:`token_texts` table instead of decoding every id
-per instance; UntilStrategy's accumulated tokens are per state (the original shared one list
-between all states).
+Behaviour follows the original SDK's strategies. Deliberate differences: CharsStrategy with an
+integer ``stop`` means "at most N characters, done at N" (the original crashed on it);
+per-vocabulary character classes come from the cached :func:`token_texts` table instead of
+decoding every id per instance; UntilStrategy's accumulated tokens are per state (the original
+shared one list between all states).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class _ChoicesState:
 
 class ChoicesStrategy(Strategy):
     """Follow a trie of token sequences. A choice that is a prefix of another completes first
-    (⚠F12, kept); an off-trie token restarts matching from the root."""
+    (kept from the original); an off-trie token restarts matching from the root."""
 
     def __init__(self, root: TrieNode) -> None:
         self._root = root
@@ -168,7 +168,7 @@ class CharsStrategy(Strategy):
     ``min_chars`` delays the stop until that many characters were generated. Token classes:
     ALPHA ``isalpha``, ALPHANUMERIC ``isalnum``, NUMERIC/JS_FLOAT ``isdigit``, STRING anything
     without an unescaped ``"``; pieces that contain the stop string are allowed once ``min``
-    is reached (compat §5.3).
+    is reached.
     """
 
     def __init__(self, kind: CharsMode, stop: int | str, min_chars: int = 0,

@@ -1,8 +1,8 @@
 """Strategy constructors: what mods build (``quote_mod_sdk.strategies.strategy_constructor``).
 
 A constructor holds plain settings and compiles to a Strategy for a tokenizer
-(``into_strategy``). Names, argument order and the falsy-argument rules match the original
-(compat §5.3): ``ListStrat`` keeps class defaults for falsy arguments (``sep`` defaults to
+(``into_strategy``). Names, argument order and the falsy-argument rules match the original:
+``ListStrat`` keeps class defaults for falsy arguments (``sep`` defaults to
 ``", "``) and a list of elements fixes ``min = max = len(elements)``.
 """
 

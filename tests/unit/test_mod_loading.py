@@ -1,4 +1,4 @@
-"""Loading mods from files and payloads; the legacy import names (compat §1.3, §3.3, §10.8)."""
+"""Loading mods from files and payloads; the legacy import names."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """SelfPrompt, FlowEngine, strategies and the conversation API, against a scripted model
-(compat §10, checks 4–8; the project's own JSON-schema and agent mods stand in for the
-production ones, whose files are not ours to ship).
+(the project's own JSON-schema and agent mods stand in for the production ones, whose files
+are not ours to ship).
 
 The scripted model answers each self-prompt with the next characters of a script, one
 character per token (tests/helpers.ScriptedAnswerBackend).
@@ -217,7 +217,7 @@ def test_choices_strategy_completes_on_a_full_choice_and_prefixes_win():
     strategy = ChoicesStrat(["cat", "cow"]).into_strategy(TOK)
     state, allowed = run_strategy(strategy, "cow")
     assert allowed[0] == set(ids("c")) and allowed[1] == set(ids("ao")) and strategy.is_complete(state)
-    prefix = ChoicesStrat(["hello", "hello world"]).into_strategy(TOK)  # ⚠F12 kept: the prefix completes
+    prefix = ChoicesStrat(["hello", "hello world"]).into_strategy(TOK)  # kept quirk: the prefix completes
     state, _ = run_strategy(prefix, "hello")
     assert prefix.is_complete(state)
 
@@ -273,7 +273,7 @@ def test_until_strategy_tag_and_anychar():
 
 
 def test_list_strategy_with_wrap_sep_and_close_completes():
-    # (a one-token separator would swallow the next token, a quirk kept from the original: ⚠F14)
+    # (a one-token separator would swallow the next token, a quirk kept from the original)
     strategy = ListStrat(ChoicesStrat(["a", "b"]), open="[", close="]", wrap="'", max=3).into_strategy(TOK)
     state, allowed = run_strategy(strategy, "['a', 'b']")
     assert strategy.is_complete(state)

@@ -1,4 +1,4 @@
-"""Events, actions, the validation table, ActionBuilder, @mod and friends (compat §2, §10.1–2)."""
+"""Events, actions, the validation table, ActionBuilder, @mod and friends."""
 
 from __future__ import annotations
 
