@@ -30,7 +30,7 @@ from engine.model.hook_names import resid_post
 from engine.model.sampling import SamplingParams, make_generator
 from engine.model.tensor import TensorShim
 from engine.services.ingest_client import IngestClient
-from engine.services.ingest_payload import PayloadRecorder
+from engine.services.ingest_payload import PayloadBuilder
 from engine.services.sae import SAEEncoder, SteeringDirections
 from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
 from engine.services.store import ActivationStore, RequestRecord
@@ -293,7 +293,7 @@ class Engine:
         user_prompt = prompt if prompt is not None else next(
             (m.get("content") for m in messages or [] if m.get("role") == "user" and isinstance(m.get("content"), str)),
             None)
-        recorder = PayloadRecorder(request_id, tokenizer=self.tokenizer, request={
+        builder = PayloadBuilder(request_id, tokenizer=self.tokenizer, request={
             "model": info.model_id[:255],
             "max_tokens": gen.max_tokens,
             "temperature": gen.temperature,
@@ -306,7 +306,7 @@ class Engine:
         manager = ModManager(loaded, tokenizer=self.tokenizer, call_timeout_s=gen.mod_call_timeout_s or None)
         handle = RequestHandle(request_id)
         state = RequestState(
-            request=request, manager=manager, recorder=recorder,
+            request=request, manager=manager, payload=builder,
             generator=make_generator(gen.seed, self.backend.device), plan=plan, prompt_ids=list(ids),
             max_tokens=gen.max_tokens, forced_queue=manager.forced_queues.setdefault(request_id, []),
             event_layer=self.backend.config.hidden_state_layer, on_event=on_event, hidden_sink=self._sink,
@@ -387,11 +387,11 @@ class Engine:
             state.manager.forced_queues.pop(state.request_id, None)
             state.manager.forced_reason_queues.pop(state.request_id, None)
             elapsed_ms = (time.perf_counter() - state.started_at) * 1000.0
-            return self._result(state, state.recorder, elapsed_ms, steers=entry.rules.steer_log)  # type: ignore[arg-type]
+            return self._result(state, state.payload, elapsed_ms, steers=entry.rules.steer_log)  # type: ignore[arg-type]
         finally:
             self._release(state.request_id)
 
-    def _result(self, state: RequestState, recorder: PayloadRecorder, elapsed_ms: float,
+    def _result(self, state: RequestState, builder: PayloadBuilder, elapsed_ms: float,
                 steers: list[dict[str, Any]] | None = None) -> GenerationResult:
         tokens = state.forced_output if state.forced_output is not None else state.generated
         stop = state.request.stop_ids
@@ -399,7 +399,7 @@ class Engine:
         if state.finish is FinishReason.TOOL_CALLS:
             output_ids = []
         output_text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        payload = recorder.build(final_ids=output_ids, final_text=output_text, finish_reason=str(state.finish),
+        payload = builder.build(final_ids=output_ids, final_text=output_text, finish_reason=str(state.finish),
                                  prompt_tokens=len(state.prompt_ids),
                                  extra={"tool_calls": state.tool_calls, "error": state.error})
         info = self.backend.info

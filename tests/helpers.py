@@ -1,7 +1,7 @@
 """Test helpers: config builders, a character tokenizer and a scripted model backend.
 
 The scripted backend stands in for the *model* (it implements the Backend protocol with
-predictable logits), so the real generation loop, ModManager and recorder can be tested for
+predictable logits), so the real generation loop, ModManager and payload builder can be tested for
 exact event/action semantics without a model's noise.
 """
 

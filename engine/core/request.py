@@ -16,7 +16,7 @@ from engine.model.sampling import SamplingParams
 from mods.manager import ModCall, ModManager
 from mods.types import ModAction, ModEvent
 
-__all__ = ["GenerationRequest", "RequestState", "Recorder", "HiddenSink", "ForwardRecord"]
+__all__ = ["GenerationRequest", "RequestState", "PayloadSink", "HiddenSink", "ForwardRecord"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class HiddenSink(Protocol):
     def finish(self, request_id: str) -> None: ...
 
 
-class Recorder(Protocol):
+class PayloadSink(Protocol):
     """Where the loop reports events, mod calls and what became of each action (the payload)."""
 
     def event(self, event: ModEvent) -> int: ...
@@ -70,7 +70,7 @@ class RequestState:
 
     request: GenerationRequest
     manager: ModManager
-    recorder: Recorder
+    payload: PayloadSink
     generator: torch.Generator
     plan: CapturePlan
     prompt_ids: list[int]

@@ -47,8 +47,8 @@ Rules, with the deliberate deviations (DEV) from the original engine:
 
 These rules see one request at a time (:class:`~engine.core.request.RequestState`); the step
 loop (:mod:`engine.core.step_loop`) runs the forward and the sampling of many requests at once
-and calls them in between. They do no I/O: they report to a recorder (the ingest payload) and to
-an optional ``on_event`` callback.
+and calls them in between. They do no I/O: they report to the request's payload sink (the
+ingest-payload builder) and to an optional ``on_event`` callback.
 """
 
 from __future__ import annotations
@@ -137,21 +137,21 @@ class Rules:
         state.events.append(event)
         if state.on_event is not None:
             state.on_event(event)
-        index = state.recorder.event(event)
+        index = state.payload.event(event)
         calls = state.manager.dispatch_traced(event)
-        items = [_Call(c, i) for c, i in zip(calls, state.recorder.calls(index, calls))]
+        items = [_Call(c, i) for c, i in zip(calls, state.payload.calls(index, calls))]
         return items if self.check_fatal_calls(items) else []
 
     def applied(self, item: _Call, note: str | None = None, action: ModAction | None = None) -> None:
         action = action if action is not None else item.call.action
         self.state.actions.append(action)
-        self.state.recorder.action(item.index, action, applied=True, note=note)
+        self.state.payload.action(item.index, action, applied=True, note=note)
 
     def ignored(self, item: _Call, reason: str, action: ModAction | None = None) -> None:
         action = action if action is not None else item.call.action
         self.state.ignored.append(IgnoredAction(self.state.step, item.call.event_type, item.call.mod_name, action,
                                                 reason))
-        self.state.recorder.action(item.index, action, applied=False, note=reason)
+        self.state.payload.action(item.index, action, applied=False, note=reason)
 
     def ignore_rest(self, rest: Sequence[_Call], after: ModAction) -> None:
         for item in rest:

@@ -1,8 +1,8 @@
 """The per-request ingest payload sent to the backend (``engine/schemas/ingest-payload.schema.json``).
 
-:class:`PayloadRecorder` is the generation loop's recorder. It keeps small raw facts while the
-loop runs — the top-20 log-probabilities stay on the model's device as tensors, token texts are
-not decoded yet — and :meth:`PayloadRecorder.build` turns them into JSON at the end, decoding
+:class:`PayloadBuilder` is the generation loop's ``PayloadSink``. It keeps small raw facts while
+the loop runs — the top-20 log-probabilities stay on the model's device as tensors, token texts
+are not decoded yet — and :meth:`PayloadBuilder.build` turns them into JSON at the end, decoding
 every token text in one batched tokenizer call.
 
 Shape rules the backend enforces: ``events[i].sequence_order == i``; ``mod_calls[*].
@@ -54,7 +54,7 @@ from mods.types import (
     ToolCalls,
 )
 
-__all__ = ["PayloadRecorder", "iso_time", "MOD_LOG_ENTRY_OVERHEAD"]
+__all__ = ["PayloadBuilder", "iso_time", "MOD_LOG_ENTRY_OVERHEAD"]
 
 TOP_TOKENS = 20
 _INPUT_TEXT_CHARS = 70
@@ -125,7 +125,7 @@ def _cut_marker(chars: int, entries: int, scope: str, key: str, limit: int) -> s
             f"`ingest.{key}` = {limit:,}]")
 
 
-class PayloadRecorder:
+class PayloadBuilder:
     """Builds one request's payload. ``limits``: the ``ingest`` config whose mod-log limits apply
     (default: :class:`IngestConfig`'s defaults)."""
 

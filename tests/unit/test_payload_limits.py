@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import GenerationConfig, IngestConfig, check_request_id
 from engine.errors import ConfigError, InvalidRequestError
-from engine.services.ingest_payload import MOD_LOG_ENTRY_OVERHEAD, PayloadRecorder
+from engine.services.ingest_payload import MOD_LOG_ENTRY_OVERHEAD, PayloadBuilder
 from engine.services.strict_json import dumps, finite
 from mods.capture import CapturedLog
 from mods.manager import ModCall, ModException
@@ -22,12 +22,12 @@ from tests.helpers import CharTokenizer, assert_payload_valid
 MARKER = "[raylens:"
 
 
-def recorder(**limits) -> PayloadRecorder:
-    return PayloadRecorder("r1", tokenizer=CharTokenizer(), request={}, limits=IngestConfig(**limits))
+def new_builder(**limits) -> PayloadBuilder:
+    return PayloadBuilder("r1", tokenizer=CharTokenizer(), request={}, limits=IngestConfig(**limits))
 
 
-def prefilled(rec: PayloadRecorder) -> int:
-    return rec.event(Prefilled("r1", 0, 8, ContextInfo("r1", [10, 11], 8), input_ids=[10, 11]))
+def prefilled(builder: PayloadBuilder) -> int:
+    return builder.event(Prefilled("r1", 0, 8, ContextInfo("r1", [10, 11], 8), input_ids=[10, 11]))
 
 
 def chatty_call(entries: int, chars: int, *, name: str = "chatty", exception: ModException | None = None) -> ModCall:
@@ -35,8 +35,8 @@ def chatty_call(entries: int, chars: int, *, name: str = "chatty", exception: Mo
     return ModCall(name, "Prefilled", 0, Noop(), logs, time.time(), 0.5, exception)
 
 
-def build(rec: PayloadRecorder) -> dict:
-    payload = rec.build(final_ids=[], final_text="", finish_reason="stop", prompt_tokens=2)
+def build(builder: PayloadBuilder) -> dict:
+    payload = builder.build(final_ids=[], final_text="", finish_reason="stop", prompt_tokens=2)
     assert_payload_valid(payload)
     return payload
 
@@ -47,10 +47,10 @@ def kept_text(payload: dict) -> int:
 
 
 def test_mod_logs_are_cut_per_call_with_a_marker_saying_how_much():
-    rec = recorder(mod_log_max_chars_per_call=1000, mod_log_max_chars_per_request=100_000)
-    event = prefilled(rec)
-    rec.calls(event, [chatty_call(5, 300)])  # 1500 characters written; 1000 (with overheads) allowed
-    payload = build(rec)
+    builder = new_builder(mod_log_max_chars_per_call=1000, mod_log_max_chars_per_request=100_000)
+    event = prefilled(builder)
+    builder.calls(event, [chatty_call(5, 300)])  # 1500 characters written; 1000 (with overheads) allowed
+    payload = build(builder)
     markers = [e for e in payload["mod_logs"] if MARKER in e["log_message"]]
     assert len(markers) == 1 and markers[0]["log_level"] == "WARNING", payload["mod_logs"]
     assert "mod_log_max_chars_per_call" in markers[0]["log_message"]
@@ -63,20 +63,20 @@ def test_mod_logs_are_cut_per_call_with_a_marker_saying_how_much():
 
 def test_mod_logs_within_the_limits_are_kept_whole():
     # positive control for the test above: the same mod under roomy limits loses nothing
-    rec = recorder(mod_log_max_chars_per_call=100_000, mod_log_max_chars_per_request=100_000)
-    rec.calls(prefilled(rec), [chatty_call(5, 300)])
-    payload = build(rec)
+    builder = new_builder(mod_log_max_chars_per_call=100_000, mod_log_max_chars_per_request=100_000)
+    builder.calls(prefilled(builder), [chatty_call(5, 300)])
+    payload = build(builder)
     assert kept_text(payload) == 5 * 300 and "mod_logs_cut" not in payload["request"]["inference_stats"]
     assert not any(MARKER in e["log_message"] for e in payload["mod_logs"])
 
 
 def test_a_chatty_mod_cannot_push_a_payload_past_the_request_limit():
     limit = 50_000
-    rec = recorder(mod_log_max_chars_per_call=10_000, mod_log_max_chars_per_request=limit)
-    event = prefilled(rec)
+    builder = new_builder(mod_log_max_chars_per_call=10_000, mod_log_max_chars_per_request=limit)
+    event = prefilled(builder)
     for _ in range(200):  # 200 calls × 20 entries × 2000 characters = 8 MB written
-        rec.calls(event, [chatty_call(20, 2000)])
-    payload = build(rec)
+        builder.calls(event, [chatty_call(20, 2000)])
+    payload = build(builder)
     body = json.dumps(payload)
     written = 200 * 20 * 2000
     assert len(body) < 4 * limit, f"payload is {len(body)} bytes for a {limit}-character log limit"
@@ -89,11 +89,11 @@ def test_a_chatty_mod_cannot_push_a_payload_past_the_request_limit():
 
 def test_exception_tracebacks_count_against_the_limits():
     huge = ModException("RuntimeError", "boom", "Traceback:\n" + "  frame\n" * 100_000)
-    rec = recorder(mod_log_max_chars_per_call=2000, mod_log_max_chars_per_request=10_000)
-    event = prefilled(rec)
+    builder = new_builder(mod_log_max_chars_per_call=2000, mod_log_max_chars_per_request=10_000)
+    event = prefilled(builder)
     for _ in range(50):
-        rec.calls(event, [chatty_call(0, 0, exception=huge)])
-    payload = build(rec)
+        builder.calls(event, [chatty_call(0, 0, exception=huge)])
+    payload = build(builder)
     assert all(c["exception_occurred"] for c in payload["mod_calls"])
     assert sum(len(c["exception_traceback"]) for c in payload["mod_calls"]) < 10_000 + 50 * 100
     assert payload["mod_calls"][0]["exception_traceback"].startswith("Traceback:")
@@ -152,15 +152,15 @@ def test_request_ids_longer_than_the_backend_stores_are_refused():
 
 
 def test_non_finite_floats_in_a_payload_become_null_and_the_body_is_strict_json():
-    rec = recorder()
-    event = prefilled(rec)
+    builder = new_builder()
+    event = prefilled(builder)
     action = ToolCalls([{"name": "f", "arguments": {"score": math.nan, "range": [-math.inf, 1.5]}}])
     calls = [ModCall("odd", "Prefilled", 0, action, (), time.time(), 0.1),
              ModCall("odd2", "Prefilled", 0, AdjustedLogits(None, token_temp=math.nan), (), time.time(), 0.1)]
-    indices = rec.calls(event, calls)
-    rec.action(indices[0], calls[0].action, applied=True)
-    rec.action(indices[1], calls[1].action, applied=False, note="test")
-    payload = build(rec)
+    indices = builder.calls(event, calls)
+    builder.action(indices[0], calls[0].action, applied=True)
+    builder.action(indices[1], calls[1].action, applied=False, note="test")
+    payload = build(builder)
     body = dumps(payload)
     strict = json.loads(body, parse_constant=lambda name: pytest.fail(f"{name} in a payload"))
     assert strict["actions"][0]["tool_calls"][0]["arguments"] == {"score": None, "range": [None, 1.5]}
