@@ -64,6 +64,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-id")
     p.add_argument("--config", help="YAML config (default: configs/local.yaml or $RAYLENS_CONFIG)")
     p.add_argument("--sae", action="store_true", help="extract SAE features into the activation store")
+    p.add_argument("--sae-inline", action="store_true",
+                   help="like --sae, encoding inside the loop: events carry sae_features, Steer works")
     p.add_argument("--json", action="store_true", help="print the result (and payload) as JSON")
     p.set_defaults(func=_cmd_generate)
 
@@ -82,7 +84,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise UsageError("--input-ids must be comma-separated integers") from None
     # Mods load before the model so a broken mod file fails in a second, not after the model load.
     mods = load_mods(list(args.mod) + [_read_json(p, "mod payload") for p in args.mod_payload])
-    overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}} if args.sae else None
+    overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}} if args.sae or args.sae_inline else None
+    if args.sae_inline:
+        overrides["sae"]["mode"] = "inline"  # type: ignore[index]
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config, overrides=overrides) as engine:
         result = engine.generate(
