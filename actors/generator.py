@@ -3,7 +3,8 @@
 It holds an in-process :class:`engine.Engine` (whose own store, SAE and ingest are off) and adds
 the Ray wiring: hidden-state blocks go to SAE workers through :class:`RaySAESink`; each request's
 row goes to the StoreActor and its payload to the IngestActor, both without waiting. It is a
-threaded actor: concurrent ``generate`` calls run in threads (the Engine is thread-safe).
+threaded actor: each concurrent ``generate`` call waits in its own thread while the engine's one
+step loop runs every request in flight as one batch.
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ class GeneratorActor:
         return self.stats()
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens}
+        loop = self.engine.loop.stats
+        stats: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens,
+                                 "batch": {"steps": loop.steps, "max_active": loop.max_active,
+                                           "waits_for_room": loop.waits_for_room}}
         if self.sink is not None:
             stats["sae"] = {**dataclasses.asdict(self.sink.stats), "backlog": self.sink.backlog}
         return stats

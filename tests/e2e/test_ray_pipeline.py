@@ -93,6 +93,10 @@ def test_a_job_runs_through_generator_sae_workers_store_and_ingest(topology, ing
                timeout=60, what="the ingest server to hold every payload")
     stats = sae_stats(topology)
     assert stats["blocks_stored"] == stats["blocks_submitted"] > 0 and stats["backlog"] == 0
+    import ray
+
+    batch = ray.get(topology.generator.stats.remote(), timeout=120)["batch"]
+    assert batch["max_active"] >= 2, f"the job's lines never shared a step on the generator: {batch}"
 
 
 def test_killing_an_sae_worker_mid_run_loses_and_duplicates_nothing(topology, tmp_path):
