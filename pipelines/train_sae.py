@@ -54,6 +54,8 @@ class TrainConfig:
     corpus: str = "broad"
     dead_window: int = 10  # steps without firing before AuxK loss revives a feature; 0: a tenth of the steps
     aux_coefficient: float = 2.0
+    sink_ratio: float = 10.0  # rows with a norm above this × the median are attention sinks: left out
+    code_repeat: int = 2  # code activations appear this many times per training epoch (the smallest kind)
     save_dtype: str = "float16"  # keeps the committed SAE under 15 MB
 
 
@@ -143,26 +145,25 @@ def evaluate(sae: Any, acts: Any, batch: int = 4096) -> SAEReport:
     return SAEReport(1.0 - sse / sst, l0 / acts.shape[0], float((~fired).float().mean()), int(acts.shape[0]))
 
 
-def feature_examples(sae: Any, acts: Any, token_ids: list[int], tokenizer: Any, seq_len: int,
+def feature_examples(sae: Any, acts: Any, where: list[tuple[int, int]], sequences: list[list[int]], tokenizer: Any,
                      features: int = 6, top: int = 5) -> list[dict[str, Any]]:
-    """The held-out tokens that activate a few of the most frequent features most strongly."""
+    """The held-out tokens that activate a few of the most frequent features most strongly;
+    ``where[row]`` is the (sequence, position) of activation row ``row``."""
     import torch
 
     with torch.no_grad():
         feats = torch.cat([sae.encode(acts[i:i + 4096]) for i in range(0, acts.shape[0], 4096)])
     frequency = (feats > 0).float().mean(dim=0)
     chosen = torch.argsort(frequency, descending=True)[5:5 + features * 20:20]  # spread over common ones
-    width = seq_len - 1
     examples = []
     for feature in chosen.tolist():
         column = feats[:, feature]
         best = torch.topk(column, top).indices.tolist()
         tokens = []
         for index in best:
-            seq, pos = divmod(index, width)
-            base = seq * seq_len
-            window = token_ids[base + max(1, pos - 5):base + pos + 2]  # a little context, the token last
-            tokens.append({"token": tokenizer.decode([token_ids[base + pos + 1]]),
+            seq, pos = where[index]
+            window = sequences[seq][max(1, pos - 6):pos + 1]  # a little context, the token last
+            tokens.append({"token": tokenizer.decode([sequences[seq][pos]]),
                            "context": tokenizer.decode(window), "activation": round(float(column[index]), 3)})
         examples.append({"feature": feature, "frequency": round(float(frequency[feature]), 4), "top": tokens})
     return examples
@@ -174,11 +175,13 @@ def feature_examples(sae: Any, acts: Any, token_ids: list[int], tokenizer: Any, 
 def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="raylens train-sae", description=__doc__.splitlines()[0])
-    for name in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed", "train_batch", "dead_window"):
+    for name in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed", "train_batch", "dead_window",
+                 "code_repeat"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--holdout", type=float, default=defaults.holdout, help="held-out share of every kind of text")
     p.add_argument("--aux-coefficient", type=float, default=defaults.aux_coefficient)
+    p.add_argument("--sink-ratio", type=float, default=defaults.sink_ratio)
     p.add_argument("--corpus", choices=["broad", "cpython"], default=defaults.corpus)
     p.add_argument("--corpus-cache", type=Path, default=DEFAULT_CACHE,
                    help="where the corpus packages are downloaded and unpacked (git-ignored)")
@@ -188,7 +191,7 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     args = p.parse_args(argv)
     cfg = TrainConfig(**{k: getattr(args, k) for k in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed",
                                                          "train_batch", "lr", "holdout", "corpus", "dead_window",
-                                                         "aux_coefficient")})
+                                                         "aux_coefficient", "sink_ratio", "code_repeat")})
     return cfg, args
 
 
@@ -240,8 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     per_seq = cfg.seq_len - 1  # activations are sequence-major, position 0 left out
     held = _holdout(kinds, cfg.holdout)
     row_held = torch.tensor(held).repeat_interleave(per_seq)
-    train_acts, held_acts = acts[~row_held], acts[row_held]
-    held_kinds = [k for k, h in zip(kinds, held) if h]
+    kind_ids = {kind: i for i, kind in enumerate(dict.fromkeys(kinds))}
+    row_kind = torch.tensor([kind_ids[k] for k in kinds]).repeat_interleave(per_seq)
+    # A few rows (a sequence that starts mid-text makes position 1 an attention sink) have norms
+    # ~100x the median; they would dominate the MSE and the input-norm estimate. Left out.
+    norms = acts.norm(dim=1)
+    sink = norms > cfg.sink_ratio * norms.median()
+    code = row_kind == kind_ids.get("code", -1)
+    train_rows = ~row_held & ~sink
+    train_acts = torch.cat([acts[train_rows]] + [acts[train_rows & code]] * (cfg.code_repeat - 1))
+    held_rows = torch.nonzero(row_held & ~sink).flatten()
+    held_acts, held_row_kind = acts[held_rows], row_kind[held_rows]
     trained = train(train_acts, cfg, model_name=backend_cfg.model_id)
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -251,18 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     saved = SAE.load_from_disk(args.out, dtype="float32")  # measure what ships
     report = evaluate(saved, held_acts)
     by_kind = {}
-    for kind in dict.fromkeys(held_kinds):
-        mask = torch.tensor([k == kind for k in held_kinds]).repeat_interleave(per_seq)
-        by_kind[kind] = asdict(evaluate(saved, held_acts[mask]))
-    held_tokens = [t for s, h in zip(sequences, held) if h for t in s]
-    examples = feature_examples(saved, held_acts, held_tokens, tokenizer, cfg.seq_len)
+    for kind, kind_id in kind_ids.items():
+        by_kind[kind] = asdict(evaluate(saved, held_acts[held_row_kind == kind_id]))
+    where = [divmod(int(row), per_seq) for row in held_rows]
+    examples = feature_examples(saved, held_acts, [(seq, pos + 1) for seq, pos in where], sequences, tokenizer)
     weights = args.out / "sae_weights.safetensors"
     summary = {
         "model": backend_cfg.model_id,
         "hook_name": f"blocks.{cfg.layer}.hook_resid_post",
         "corpus": corpus.manifest(),
         "corpus_sha256": fingerprint,
-        "train_tokens": int(train_acts.shape[0]),
+        "train_tokens": int(train_rows.sum()),
+        "train_rows_per_epoch": int(train_acts.shape[0]),
+        "attention_sink_rows_left_out": {"train": int((sink & ~row_held).sum()), "heldout": int((sink & row_held).sum())},
         "training_samples": cfg.epochs * (train_acts.shape[0] // cfg.train_batch) * cfg.train_batch,
         "config": asdict(cfg),
         "goals": {"explained_variance_min": 0.85, "l0_max": 64, "dead_fraction_max": 0.05},

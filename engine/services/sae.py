@@ -65,7 +65,8 @@ SAE_REGISTRY: dict[str, SAESource] = {
         neuronpedia_template="llama3.1-8b/{layer}-llamascope-res-32k",
     ),
     "smollm2-135m-instruct-l16": SAESource(
-        description="raylens' TopK SAE for the embedded SmolLM2-135M-Instruct, layer 16 (pipelines/train_sae.py)",
+        description="raylens' TopK SAE for the embedded SmolLM2-135M-Instruct, layer 16, trained on prose, chat "
+                    "and code (pipelines/train_sae.py)",
         path=ASSETS / "saes" / "smollm2-135m-instruct-l16",
     ),
 }

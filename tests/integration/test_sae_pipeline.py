@@ -30,7 +30,7 @@ def test_the_committed_sae_fits_the_embedded_model_and_reconstructs_it(engine):
                               model_layers=info.num_layers)
     assert encoder.identity.d_in == info.hidden_size and encoder.identity.layer == 16
     report = json.loads((SAE_REGISTRY[COMMITTED].path / "training_report.json").read_text())
-    assert report["heldout"]["explained_variance"] > 0.5
+    assert report["heldout"]["explained_variance"] > 0.75 and report["heldout"]["dead_fraction"] < 0.05
     # a fresh positive control on text the SAE never saw: it explains most of the variance
     ids = engine.encode("The lighthouse keeper found a bottle with a letter inside.")
     hidden = forward_prompt(engine.backend, ids, ["blocks.16.hook_resid_post"]).captured.hidden[16][1:]
