@@ -4,13 +4,13 @@ token and ban it, so the model continues another way.
 Needs the engine's SAE encoding inline (``sae.enabled: true``, ``sae.mode: inline``); find a
 feature for your off-topic subject with ``examples/feature_finder.py``. Run:
 
-    raylens generate --prompt "Give me a tip for cooking pasta." --mod examples/stay_on_topic.py:stay_on_topic \\
+    raylens generate --prompt "Give me a tip for cooking pasta before the football match." --mod examples/stay_on_topic.py:stay_on_topic \\
         --temperature 0 --max-tokens 48 --sae-inline
 """
 
 from mods.features import backtrack_when
 
-OFF_TOPIC_FEATURE = 1189  # fires on football text (examples/feature_finder.py, the committed SAE)
-THRESHOLD = 4.0
+OFF_TOPIC_FEATURE = 115  # fires on " game" and other sport words (examples/feature_finder.py, the committed SAE)
+THRESHOLD = 15.0
 
 stay_on_topic = backtrack_when(OFF_TOPIC_FEATURE, THRESHOLD, n=1, max_times=8, name="stay_on_topic")
