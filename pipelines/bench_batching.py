@@ -43,20 +43,6 @@ def _prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def _logits_mod():
-    from mods import ForwardPass, mod
-
-    @mod
-    def ban_token_zero(event, actions, tokenizer):
-        if isinstance(event, ForwardPass):
-            logits = event.logits.to_numpy()
-            logits[0, 0] = -1e9
-            return actions.adjust_logits(type(event.logits).from_numpy(logits).to(event.logits.device))
-        return None
-
-    return ban_token_zero
-
-
 def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = None, tokenizer: str | None = None,
                        progress: Callable[[str], None] = lambda _: None) -> Path:
     """A directory ``from_pretrained`` loads: the named architecture with random bf16 weights on
@@ -97,7 +83,9 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     backend = engine.backend
     model, tokenizer = backend.model, engine.tokenizer
     device = backend.device
-    logits_mod = _logits_mod()
+    from .bench import _mask_mod
+
+    logits_mod = _mask_mod()  # the single-stream bench's logits mod: numpy edit, back through from_numpy
     if max(concurrency) > backend.max_batch:
         raise ValueError(f"`--concurrency` must be <= backend.max_batch ({backend.max_batch}), got {max(concurrency)}")
 

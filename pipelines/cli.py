@@ -42,6 +42,16 @@ def _messages_from_file(path: str) -> tuple[Any, Any, Any]:
     return data, None, None
 
 
+def _input_ids(text: str | None) -> list[int] | None:
+    """``--input-ids 1,2,3`` as a list (None when not given)."""
+    if not text:
+        return None
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError("--input-ids must be comma-separated integers") from None
+
+
 # ------------------------------------------------------------------------------------ generate
 
 
@@ -77,11 +87,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     messages = tools = response_format = input_ids = None
     if args.messages_file:
         messages, tools, response_format = _messages_from_file(args.messages_file)
-    if args.input_ids:
-        try:
-            input_ids = [int(t) for t in args.input_ids.replace(" ", "").split(",") if t]
-        except ValueError:
-            raise UsageError("--input-ids must be comma-separated integers") from None
+    input_ids = _input_ids(args.input_ids)
     # Mods load before the model so a broken mod file fails in a second, not after the model load.
     mods = load_mods(list(args.mod) + [_read_json(p, "mod payload") for p in args.mod_payload])
     overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}} if args.sae or args.sae_inline else None
@@ -145,11 +151,7 @@ def _cmd_candidates(args: argparse.Namespace) -> int:
     messages = input_ids = None
     if args.messages_file:
         messages, _, _ = _messages_from_file(args.messages_file)
-    if args.input_ids:
-        try:
-            input_ids = [int(t) for t in args.input_ids.replace(" ", "").split(",") if t]
-        except ValueError:
-            raise UsageError("--input-ids must be comma-separated integers") from None
+    input_ids = _input_ids(args.input_ids)
     mods = load_mods(list(args.mod))
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config) as engine:
@@ -253,11 +255,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     messages = input_ids = None
     if args.messages_file:
         messages, _, _ = _messages_from_file(args.messages_file)
-    if args.input_ids:
-        try:
-            input_ids = [int(t) for t in args.input_ids.replace(" ", "").split(",") if t]
-        except ValueError:
-            raise UsageError("--input-ids must be comma-separated integers") from None
+    input_ids = _input_ids(args.input_ids)
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config) as engine:
         tensors = engine.capture(args.prompt, messages=messages, input_ids=input_ids, names=names, out=args.out)
