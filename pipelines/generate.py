@@ -12,7 +12,8 @@ store where you are. ``raylens submit`` passes its arguments in the job's enviro
 
 Requests are spread over the ``ray.generators`` GeneratorActor replicas, up to
 ``ray.generator_max_concurrency`` in flight on each; each result line is written as it finishes
-(with its input ``line``), so a re-run with the same ``--out`` skips lines already done. A line
+(with its input ``line``), so a re-run with the same ``--out`` skips lines already done; when the
+job's lines are done the file is put back in input order. A line
 that fails at run time (the engine refuses it, its mod does not load) is written with
 ``finish_reason: "error"`` and an ``error``, and the job goes on. If a generator dies, the
 request's unstored SAE blocks are recorded as missing, and the request runs once more under a new
@@ -177,6 +178,7 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
                     result = {"request_id": rid, "finish_reason": "error", "error": _task_error(err)}
                     tally.failed += 1
                 write(flight, result)
+    _order_by_line(out)
     drained = [_settled(g.drain, timeout=timeout * 4) for g in topo.generators]
     ingest_after = _ingest_settled(topo.ingest, timeout)
     counts = _settled(topo.store.request_counts, tally.ids, timeout=timeout) if tally.ids else {}
@@ -194,6 +196,26 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
         "run_id": run_id,
         "generators": drained,
     }
+
+
+def _order_by_line(out: Path) -> None:
+    """Put the results file in input order once the job's lines are done. Lines are appended as
+    requests finish (batched requests finish out of order; a killed job keeps everything written);
+    this rewrite, to a temporary file renamed over the old one, only reorders them. A line that
+    does not parse (torn by a killed run) stays, at the end."""
+    texts = out.read_text(encoding="utf-8").splitlines() if out.is_file() else []
+    keyed, torn = [], []
+    for index, text in enumerate(texts):
+        try:
+            keyed.append((int(json.loads(text)["line"]), index, text))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            torn.append(text)
+    ordered = [text for _, _, text in sorted(keyed)] + torn
+    if ordered == texts:
+        return
+    staging = out.with_name(f".{out.name}.ordering-{uuid.uuid4().hex[:6]}")
+    staging.write_text("".join(t + "\n" for t in ordered), encoding="utf-8")
+    os.replace(staging, out)
 
 
 def _ingest_settled(ingest: Any, timeout: float) -> dict[str, Any]:

@@ -124,3 +124,18 @@ def test_a_broken_payload_is_refused_up_front_with_its_line(tmp_path, payload, m
     path = write(tmp_path / "p.jsonl", '{"prompt": "ok"}', json.dumps({"prompt": "x", "mods": [payload]}))
     with pytest.raises(InputError, match=rf"^{path}:2: bad mod: .*{message}"):
         read_prompts(path)
+
+
+def test_a_results_file_is_put_in_input_order_keeping_every_line(tmp_path):
+    import json
+
+    from pipelines.generate import _order_by_line
+
+    out = tmp_path / "results.jsonl"
+    rows = [{"line": 3, "x": "c"}, {"line": 1, "x": "a"}, {"line": 2, "x": "b"}]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"line": 4, "x": "to', encoding="utf-8")
+    _order_by_line(out)
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(t)["line"] for t in lines[:3]] == [1, 2, 3]
+    assert lines[3] == '{"line": 4, "x": "to'  # a torn line is kept, at the end
+    assert not list(tmp_path.glob(".results.jsonl.*"))  # no staging file left behind
