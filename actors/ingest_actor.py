@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from engine.config import IngestConfig
-from engine.services.ingest_client import IngestClient
+from engine.services.ingest_client import DeliveryLedger, IngestClient
 
 from .versioning import code_version
 
@@ -34,6 +34,7 @@ class IngestActor:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._counts = {"submitted": 0, "delivered": 0, "spooled": 0, "replayed": 0, "dropped_without_url": 0}
+        self._ledger = DeliveryLedger()  # per request id, so a job counts its own payloads
         if self.client is not None:
             self._replay()
             threading.Thread(target=self._flusher, name="raylens-ingest-flusher", daemon=True).start()
@@ -46,7 +47,9 @@ class IngestActor:
             self._counts["submitted"] += 1
             if self.client is None:  # no backend configured: payloads stay in the results only
                 self._counts["dropped_without_url"] += 1
+                self._ledger.record(payload, "dropped_without_url")
                 return
+            self._ledger.record(payload, "queued")
             self._queue.append(payload)
             if len(self._queue) >= self.batch_size:
                 self._wake.set()
@@ -69,8 +72,10 @@ class IngestActor:
             return self.stats()
         for payload in self._take():
             delivery = self.client.send(payload)  # replays the spool after a success
+            outcome = "delivered" if delivery.delivered else "spooled"
             with self._lock:
-                self._counts["delivered" if delivery.delivered else "spooled"] += 1
+                self._counts[outcome] += 1
+                self._ledger.record(payload, outcome)
         return self.stats()
 
     def _flusher(self) -> None:
@@ -86,6 +91,11 @@ class IngestActor:
 
         root = Path(self.config.spool_dir)
         return len(list(root.glob("*.json"))) if root.is_dir() else 0
+
+    def outcomes(self, request_ids: list[str]) -> dict[str, int]:
+        """How the payloads of these request ids ended: a job's own delivered/spooled counts."""
+        with self._lock:
+            return self._ledger.counts(request_ids)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -125,7 +125,6 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
     topo = build_topology(config)
     timeout = config.ray.call_timeout_s
     run_id = uuid.uuid4().hex[:8]
-    ingest_before = _settled(topo.ingest.stats, timeout=timeout)
     given = [line.request["request_id"] for line in lines]
     claimed = _settled(topo.store.claim_request_ids, given, run_id, REQUEST_ID_MAX_CHARS, timeout=timeout) \
         if lines else []
@@ -180,8 +179,9 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
                 write(flight, result)
     _order_by_line(out)
     drained = [_settled(g.drain, timeout=timeout * 4) for g in topo.generators]
-    ingest_after = _ingest_settled(topo.ingest, timeout)
+    _ingest_settled(topo.ingest, timeout)  # every payload sent or spooled before counting this job's
     counts = _settled(topo.store.request_counts, tally.ids, timeout=timeout) if tally.ids else {}
+    ingest = _settled(topo.ingest.outcomes, tally.ids, timeout=timeout) if tally.ids else {}
     elapsed = time.perf_counter() - started
     return {
         "requests": tally.finished,
@@ -191,8 +191,8 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
         "tokens_per_s": round(tally.tokens / elapsed, 2) if elapsed else 0.0,
         "sae_rows": counts.get("activations", 0),
         "sae_blocks_missing": counts.get("missing_blocks", 0),
-        "ingest_delivered": ingest_after["delivered"] - ingest_before["delivered"],
-        "ingest_spooled": ingest_after["spooled"] - ingest_before["spooled"],
+        "ingest_delivered": ingest.get("delivered", 0),  # this job's payloads only
+        "ingest_spooled": ingest.get("spooled", 0),
         "run_id": run_id,
         "generators": drained,
     }

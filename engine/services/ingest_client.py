@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 
@@ -145,3 +145,34 @@ class IngestClient:
                 path.unlink(missing_ok=True)
         remaining = len(list(root.glob("*.json"))) if root.is_dir() else 0
         return delivered, remaining
+
+
+class DeliveryLedger:
+    """What became of each request's payload (``queued``, ``delivered``, ``spooled`` or
+    ``dropped_without_url``), so a job can count its own payloads while other jobs share the
+    sender. Holds the newest ``capacity`` request ids; older ones are forgotten first."""
+
+    OUTCOMES = ("queued", "delivered", "spooled", "dropped_without_url")
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        from collections import OrderedDict
+
+        self.capacity = capacity
+        self._outcomes: "OrderedDict[str, str]" = OrderedDict()
+
+    def record(self, payload: dict[str, Any], outcome: str) -> None:
+        request_id = (payload.get("request") or {}).get("request_id")
+        if not isinstance(request_id, str):
+            return
+        self._outcomes[request_id] = outcome
+        self._outcomes.move_to_end(request_id)
+        while len(self._outcomes) > self.capacity:
+            self._outcomes.popitem(last=False)
+
+    def counts(self, request_ids: Sequence[str]) -> dict[str, int]:
+        """How many of ``request_ids`` ended each way (``unknown``: never seen, or forgotten)."""
+        out = {outcome: 0 for outcome in self.OUTCOMES}
+        out["unknown"] = 0
+        for request_id in request_ids:
+            out[self._outcomes.get(request_id, "unknown")] += 1
+        return out

@@ -108,3 +108,17 @@ def test_a_payload_with_nan_is_sent_and_spooled_as_strict_json(tmp_path):
     sent = json.loads(bodies[0], parse_constant=refuse)
     spooled = json.loads(open(result.spooled_to).read(), parse_constant=refuse)
     assert sent["events"][0]["top_tokens"][0]["logprob"] is None and spooled == sent
+
+
+def test_the_delivery_ledger_counts_only_the_asked_request_ids_and_forgets_the_oldest():
+    from engine.services.ingest_client import DeliveryLedger
+
+    ledger = DeliveryLedger(capacity=3)
+    for rid, outcome in [("a", "queued"), ("b", "spooled"), ("a", "delivered"), ("c", "delivered")]:
+        ledger.record({"request": {"request_id": rid}}, outcome)
+    assert ledger.counts(["a", "b"]) == {"queued": 0, "delivered": 1, "spooled": 1, "dropped_without_url": 0,
+                                         "unknown": 0}
+    ledger.record({"request": {"request_id": "d"}}, "delivered")  # over capacity: the oldest (b) goes
+    assert ledger.counts(["b", "c", "d", "zz"])["unknown"] == 2
+    ledger.record({"no": "request"}, "delivered")  # a payload without an id is not counted
+    assert ledger.counts(["c", "d"])["delivered"] == 2
