@@ -35,6 +35,7 @@ __all__ = [
     "EnvVar",
     "ENV_VARS",
     "load_config",
+    "load_job_config",
     "default_config_path",
     "parse_bool",
     "check_request_id",
@@ -510,6 +511,17 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"unknown section(s) {', '.join(unknown)} in `{path}`; known: {', '.join(_SECTIONS)}",
                           parameter="config", value=unknown)
     return data
+
+
+def load_job_config(config: str | None, workdir: str | None) -> tuple[Path, "RaylensConfig"]:
+    """``(base, config)`` for a Ray Job: relative paths (the config file when it is not found as
+    given, the store, the spool) are taken under ``workdir`` (default: the current directory),
+    because a job runs in a throwaway copy of its working directory."""
+    base = Path(workdir or ".").resolve()
+    path = Path(config) if config else None
+    if path is not None and not path.is_absolute() and not path.exists():
+        path = base / path
+    return base, load_config(path).with_paths_under(base)
 
 
 def load_config(

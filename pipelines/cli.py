@@ -42,6 +42,22 @@ def _messages_from_file(path: str) -> tuple[Any, Any, Any]:
     return data, None, None
 
 
+def _add_source(p: argparse.ArgumentParser) -> None:
+    """Exactly one of --prompt, --messages-file, --input-ids: what a request reads."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="user message (chat-templated)")
+    src.add_argument("--messages-file", help="JSON chat: a list of messages, or {messages, tools, response_format}")
+    src.add_argument("--input-ids", help="comma-separated token ids, used as is")
+
+
+def _source(args: argparse.Namespace) -> tuple[Any, Any, Any, list[int] | None]:
+    """``(messages, tools, response_format, input_ids)`` from :func:`_add_source`'s arguments."""
+    messages = tools = response_format = None
+    if args.messages_file:
+        messages, tools, response_format = _messages_from_file(args.messages_file)
+    return messages, tools, response_format, _input_ids(args.input_ids)
+
+
 def _input_ids(text: str | None) -> list[int] | None:
     """``--input-ids 1,2,3`` as a list (None when not given)."""
     if not text:
@@ -57,10 +73,7 @@ def _input_ids(text: str | None) -> list[int] | None:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate one completion in-process (no Ray)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="user message (chat-templated)")
-    src.add_argument("--messages-file", help="JSON chat: a list of messages, or {messages, tools, response_format}")
-    src.add_argument("--input-ids", help="comma-separated token ids, used as is")
+    _add_source(p)
     p.add_argument("--mod", action="append", default=[], metavar="FILE.py[:function]",
                    help="mod file to run (repeatable, in order)")
     p.add_argument("--mod-payload", action="append", default=[], metavar="FILE.json",
@@ -84,10 +97,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import Engine
     from engine.engine import load_mods
 
-    messages = tools = response_format = input_ids = None
-    if args.messages_file:
-        messages, tools, response_format = _messages_from_file(args.messages_file)
-    input_ids = _input_ids(args.input_ids)
+    messages, tools, response_format, input_ids = _source(args)
     # Mods load before the model so a broken mod file fails in a second, not after the model load.
     mods = load_mods(list(args.mod) + [_read_json(p, "mod payload") for p in args.mod_payload])
     overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}} if args.sae or args.sae_inline else None
@@ -128,10 +138,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _add_candidates(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("candidates", help="n sampled completions ranked by summed log-probability (one batch)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="user message (chat-templated)")
-    src.add_argument("--messages-file", help="JSON chat: a list of messages, or {messages, tools, response_format}")
-    src.add_argument("--input-ids", help="comma-separated token ids, used as is")
+    _add_source(p)
     p.add_argument("-n", type=int, default=8, help="how many candidates (default 8)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
@@ -148,10 +155,7 @@ def _cmd_candidates(args: argparse.Namespace) -> int:
     from engine import Engine
     from engine.engine import load_mods
 
-    messages = input_ids = None
-    if args.messages_file:
-        messages, _, _ = _messages_from_file(args.messages_file)
-    input_ids = _input_ids(args.input_ids)
+    messages, _, _, input_ids = _source(args)
     mods = load_mods(list(args.mod))
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config) as engine:
@@ -230,10 +234,7 @@ def _cmd_embed(args: argparse.Namespace) -> int:
 
 def _add_capture(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("capture", help="dump named intermediate tensors of one forward pass (safetensors + manifest)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="user message (chat-templated)")
-    src.add_argument("--messages-file", help="JSON chat: a list of messages, or {messages, tools, response_format}")
-    src.add_argument("--input-ids", help="comma-separated token ids, used as is")
+    _add_source(p)
     p.add_argument("--names", action="append", metavar="GLOB[,GLOB…]",
                    help="internals to keep, e.g. 'blocks.*.attn.*' or blocks.3.hook_resid_post (repeatable; "
                         "default: every internal)")
@@ -252,10 +253,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
             parse_hook_name(name)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out `{args.out}` must be a directory, but it is a file")
-    messages = input_ids = None
-    if args.messages_file:
-        messages, _, _ = _messages_from_file(args.messages_file)
-    input_ids = _input_ids(args.input_ids)
+    messages, _, _, input_ids = _source(args)
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config) as engine:
         tensors = engine.capture(args.prompt, messages=messages, input_ids=input_ids, names=names, out=args.out)

@@ -275,18 +275,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(_job_argv(argv))
 
-    from engine.config import load_config
+    from engine.config import load_job_config
     from engine.errors import RaylensError
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        base = Path(args.workdir or ".").resolve()
-        config_path = Path(args.config) if args.config else None
-        if config_path is not None and not config_path.is_absolute() and not config_path.exists():
-            config_path = base / config_path
-        config = load_config(config_path).with_paths_under(base)
+        base, config = load_job_config(args.config, args.workdir)
         lines = read_prompts(base / args.prompts)
         out = base / args.out
         done = _done_lines(out)

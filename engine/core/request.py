@@ -35,7 +35,9 @@ class GenerationRequest:
 class HiddenSink(Protocol):
     """Where the hidden states of every forward of a request go (SAE encoding), when subscribed."""
 
-    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> None: ...
+    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> Any:
+        """May return the forward's encoded features (inline SAE encoding) for the events."""
+        ...
 
     def finish(self, request_id: str) -> None: ...
 

@@ -53,6 +53,7 @@ ingest-payload builder) and to an optional ``on_event`` callback.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
@@ -377,8 +378,7 @@ class Rules:
         temp = action.token_temp
         base = self.state.request.sampling
         plan.logits = logits
-        plan.sampling = base if temp is None else SamplingParams(float(temp), base.top_p, base.top_k, base.banned,
-                                                                 base.repetition_penalty)
+        plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
         self.applied(item)
 
     def steer(self, item: _Call, action: Steer) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from engine.core.request import RequestState
 from engine.core.result import FinishReason
@@ -131,9 +132,6 @@ class StepLoop:
     def active(self) -> int:
         return len(self._active)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
 
     # ------------------------------------------------------------------------------- the loop
 
@@ -317,6 +315,4 @@ def _attention_rows(state: RequestState) -> np.ndarray:
     """``(layers, heads, context)`` float32 host copy of the newest attention row of every layer."""
     attention = state.output.captured.attention  # type: ignore[union-attr]
     rows = [attention[layer][:, -1, :] for layer in sorted(attention)]
-    import torch
-
     return torch.stack(rows).float().cpu().numpy()

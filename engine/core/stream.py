@@ -110,9 +110,6 @@ class RequestHandle:
         """The GenerationResult (raises what failed the request; TimeoutError after ``timeout``)."""
         return self._future.result(timeout)
 
-    def done(self) -> bool:
-        return self._future.done()
-
     def cancel(self) -> None:
         """End the request at the next step boundary (finish reason ``cancelled``); idempotent."""
         self._cancel.set()
