@@ -68,3 +68,28 @@ def test_writing_into_the_event_logits_is_refused_and_changes_nothing():
     assert bad.output_text == good.output_text == "hello world"  # the write did not take effect
     call = next(c for c in bad.payload["mod_calls"] if c["exception_occurred"])
     assert "read-only" in call["exception_message"]
+
+
+def test_a_forward_that_fails_for_one_request_ends_that_request_and_the_batch_goes_on():
+    from engine import Engine
+    from engine.config import RaylensConfig
+    from tests.helpers import ScriptedBackend, build_generation_cfg
+
+    class FailsForOne(ScriptedBackend):
+        """Raises whenever a forward holds the row of request "bad" past its prompt."""
+
+        def forward(self, rows):
+            if any(r.request_id == "bad" and r.start > 0 for r in rows):
+                raise RuntimeError("device fault on request bad")
+            return super().forward(rows)
+
+    eng = Engine(RaylensConfig(generation=build_generation_cfg(temperature=0.0, max_tokens=32)),
+                 backend=FailsForOne())
+    try:
+        bad = eng.submit(input_ids=TOK.encode("Q:"), request_id="bad")
+        good = eng.submit(input_ids=TOK.encode("Q:"), request_id="good")
+        bad_result, good_result = bad.result(timeout=60), good.result(timeout=60)
+    finally:
+        eng.close()
+    assert bad_result.finish_reason is FinishReason.ERROR and "device fault on request bad" in bad_result.error
+    assert good_result.finish_reason is FinishReason.STOP and good_result.output_text == "hello world"
