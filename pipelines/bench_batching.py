@@ -80,6 +80,8 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
                           progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     import torch
 
+    from engine.engine import freeze_startup_objects
+
     backend = engine.backend
     model, tokenizer = backend.model, engine.tokenizer
     device = backend.device
@@ -139,6 +141,9 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         started = time.perf_counter()
         fn()
         progress(f"warm-up {name}: {time.perf_counter() - started:.1f} s")
+    # transformers' compilation leaves hundreds of thousands of long-lived objects: frozen like the
+    # engine's own, so no timed run pays a full garbage collection for the warm-up's leftovers
+    freeze_startup_objects()
     for r in range(repeats):
         for name, fn in paths.items():
             if device.type == "cuda":

@@ -138,7 +138,8 @@ class Rules:
         state.events.append(event)
         if state.on_event is not None:
             state.on_event(event)
-        index = state.payload.event(event)
+        top = state.output.top if isinstance(event, ForwardPass) and state.output is not None else None
+        index = state.payload.event(event, top)
         calls = state.manager.dispatch_traced(event)
         items = [_Call(c, i) for c, i in zip(calls, state.payload.calls(index, calls))]
         return items if self.check_fatal_calls(items) else []

@@ -16,10 +16,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+import torch
+
 from engine.config import BackendConfig
 from engine.model.capture import CapturePlan, RowCapture
 
-__all__ = ["Backend", "ModelInfo", "ForwardRow", "RowOutput", "ForwardRecord"]
+__all__ = ["Backend", "ModelInfo", "ForwardRow", "RowOutput", "ForwardRecord", "FORWARD_TOP_K", "top_logprobs"]
+
+# Every forward's most likely next tokens, which observability payloads record per ForwardPass.
+# Computed once for the whole batch (inside the replayed graph on a GPU): per request, a
+# log-softmax and a top-k over a 128k vocabulary are two more launches and host work on every row.
+FORWARD_TOP_K = 20
+
+
+def top_logprobs(logits: Any, k: int = FORWARD_TOP_K) -> tuple[Any, Any]:
+    """``logits (B, V)`` → the ``k`` largest log-probabilities ``(B, k)`` and their ids ``(B, k)``."""
+    values, indices = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return values, indices
 
 
 @dataclass(frozen=True)
@@ -55,6 +68,7 @@ class ForwardRow:
 class RowOutput:
     logits: Any  # (V,) float32, on device
     captured: RowCapture
+    top: tuple[Any, Any] | None = None  # the logits' FORWARD_TOP_K log-probs (k,) and ids (k,), on device
 
 
 @dataclass(frozen=True)

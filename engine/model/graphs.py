@@ -13,7 +13,7 @@ hidden states and attention patterns the graph writes out):
 * the batch's rows are the dense slots ``0 … n-1``; rows ``n … B-1`` of a bucket are padding whose
   keys/values go to a scratch slot no request owns (as do the warm-up and capture runs), so padding
   never touches a live request's cache;
-* outputs — logits ``(B, V)``, each captured layer's residual stream ``(B, d)``, each captured
+* outputs — logits ``(B, V)``, their top log-probs and ids ``(B, k)``, each captured layer's residual stream ``(B, d)``, each captured
   layer's newest attention row ``(B, heads, L)`` — are static too: :meth:`StaticDecode.run`
   copies them out before the next replay can overwrite them. A changed plan selects another graph;
   it never drops a capture.
@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.model.backend import top_logprobs
 from engine.model.capture import CAPTURE_KWARG, AttentionCapture, hidden_states_index
 from engine.model.kv_cache import BatchCacheView, SlotKVCache
 
@@ -74,11 +75,14 @@ class StaticDecode:
         self.scratch_slot = scratch_slot
         device = cache.device
         b, length = key.batch, key.kv_len
-        self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
-        self.positions = torch.zeros(b, 1, dtype=torch.long, device=device)  # (B, 1)
+        # one (3, B) buffer, filled by one host→device copy per step: ids, positions, cache rows written
+        self.inputs = torch.zeros(3, b, dtype=torch.long, device=device)
+        self.inputs[2] = scratch_slot  # warm-up and capture runs write to the scratch slot
+        self.ids = self.inputs[0].view(b, 1)  # (B, 1)
+        self.positions = self.inputs[1].view(b, 1)  # (B, 1)
+        self.write_rows = self.inputs[2]  # (B,)
         self.key_positions = torch.arange(length, device=device)  # (L,)
         slots = torch.arange(b, dtype=torch.long, device=device)
-        self.write_rows = torch.full((b,), scratch_slot, dtype=torch.long, device=device)  # warm-up writes: scratch
         self.view = BatchCacheView(cache, slots, self.write_rows, self.positions.view(-1), length, dense=True)
         self.attention = AttentionCapture({layer: list(range(b)) for layer in key.attention_layers}, b, False) \
             if key.attention_layers else None
@@ -93,7 +97,7 @@ class StaticDecode:
                 log.warning("CUDA graph capture failed for %s (%s); decoding this shape eagerly", key,
                             self.capture_error)
 
-    def _forward(self) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    def _forward(self) -> "DecodeOutputs":
         mask = self.key_positions[None, None, None, :] <= self.positions[:, None, :, None]  # (B, 1, 1, L)
         kwargs: dict[str, Any] = {}
         if self.key.hidden_layers:
@@ -106,7 +110,7 @@ class StaticDecode:
         logits = out.logits[:, -1].float()  # (B, V)
         hidden = {layer: out.hidden_states[hidden_states_index(layer)][:, -1] for layer in self.key.hidden_layers}
         patterns = dict(self.attention.patterns) if self.attention is not None else {}  # (B, h, 1, L)
-        return logits, hidden, patterns
+        return DecodeOutputs(logits, top_logprobs(logits), hidden, patterns)
 
     def _capture(self, pool: Any) -> None:
         stream = torch.cuda.Stream()
@@ -120,20 +124,26 @@ class StaticDecode:
             self.outputs = self._forward()
         self.graph = graph
 
-    def run(self, tokens: Sequence[int], starts: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor],
-                                                                         dict[int, torch.Tensor]]:
+    def run(self, tokens: Sequence[int], starts: Sequence[int]) -> "DecodeOutputs":
         """Rows ``0 … len(tokens)-1`` feed one token each at ``starts``; returns copies of the
-        outputs (logits ``(n, V)``, hidden ``layer → (n, d)``, patterns ``layer → (n, h, 1, L)``)."""
+        outputs' first ``n`` rows, taken before the next replay can overwrite them."""
         n, b = len(tokens), self.key.batch
         pad = b - n
-        self.write_rows.copy_(torch.tensor(list(range(n)) + [self.scratch_slot] * pad, dtype=torch.long),
-                              non_blocking=True)
-        self.ids.copy_(torch.tensor([[t] for t in tokens] + [[0]] * pad, dtype=torch.long), non_blocking=True)
-        self.positions.copy_(torch.tensor([[s] for s in starts] + [[0]] * pad, dtype=torch.long), non_blocking=True)
+        self.inputs.copy_(torch.tensor([list(tokens) + [0] * pad, list(starts) + [0] * pad,
+                                         list(range(n)) + [self.scratch_slot] * pad], dtype=torch.long))
         if self.graph is not None:
             self.graph.replay()
-            logits, hidden, patterns = self.outputs
+            out = self.outputs
         else:
-            logits, hidden, patterns = self._forward()
-        return (logits[:n].clone(), {k: v[:n].clone() for k, v in hidden.items()},
-                {k: v[:n].clone() for k, v in patterns.items()})
+            out = self._forward()
+        return DecodeOutputs(out.logits[:n].clone(), (out.top[0][:n].clone(), out.top[1][:n].clone()),
+                             {k: v[:n].clone() for k, v in out.hidden.items()},
+                             {k: v[:n].clone() for k, v in out.patterns.items()})
+
+
+@dataclass(frozen=True)
+class DecodeOutputs:
+    logits: torch.Tensor  # (B, V) float32
+    top: tuple[torch.Tensor, torch.Tensor]  # top log-probs (B, k) and their ids (B, k)
+    hidden: dict[int, torch.Tensor]  # layer → (B, d)
+    patterns: dict[int, torch.Tensor]  # layer → (B, h, 1, L)

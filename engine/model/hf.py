@@ -21,7 +21,7 @@ import torch
 
 from engine.config import BackendConfig
 from engine.errors import ContextOverflowError, InvalidRequestError, QueueFullError
-from engine.model.backend import ForwardRow, ModelInfo, RowOutput
+from engine.model.backend import ForwardRow, ModelInfo, RowOutput, top_logprobs
 from engine.model.capture import (
     CAPTURE_KWARG,
     AttentionCapture,
@@ -178,15 +178,20 @@ class HuggingFaceBackend:
             decode = self._graphs[key] = StaticDecode(self.model, self.cache, key, scratch_slot=self.max_batch,
                                                       capture=self._graph_capture, pool=self._graph_pool)
             self.graph_stats["graphs"] = len(self._graphs)
-        logits, hidden, patterns = decode.run([r.tokens[0] for r in rows], starts)
+        out = decode.run([r.tokens[0] for r in rows], starts)
         self.graph_stats["static_steps"] += 1
         outputs = []
+        lengths = self._lengths
+        values, indices = out.top
         for b, row in enumerate(rows):
-            self._lengths[row.request_id] = max(self._lengths.get(row.request_id, 0), row.start + 1)
-            captured = RowCapture({layer: hidden[layer][b:b + 1] for layer in row.plan.hidden_layers},  # (1, d)
-                                  {layer: patterns[layer][b][:, :, : row.start + 1]  # (h, 1, kv)
-                                   for layer in row.plan.attention_layers})
-            outputs.append(RowOutput(logits[b], captured))
+            end = row.start + 1
+            if lengths.get(row.request_id, 0) < end:
+                lengths[row.request_id] = end
+            plan = row.plan
+            captured = RowCapture({layer: out.hidden[layer][b:b + 1] for layer in plan.hidden_layers},  # (1, d)
+                                  {layer: out.patterns[layer][b][:, :, :end]  # (h, 1, kv)
+                                   for layer in plan.attention_layers})
+            outputs.append(RowOutput(out.logits[b], captured, (values[b], indices[b])))
         return outputs
 
     def _run(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
@@ -224,9 +229,10 @@ class HuggingFaceBackend:
         for r, n in zip(rows, lengths):
             self._lengths[r.request_id] = max(self._lengths.get(r.request_id, 0), r.start + n)
         logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
+        values, indices = top_logprobs(logits)
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
         captured = split_rows(out, plans, capture, hidden_index, [s + n for s, n in zip(starts, lengths)], lengths)
-        return [RowOutput(logits[b], captured[b]) for b in range(len(rows))]
+        return [RowOutput(logits[b], captured[b], (values[b], indices[b])) for b in range(len(rows))]
 
     @contextlib.contextmanager
     def _steering(self, rows: Sequence[ForwardRow]):

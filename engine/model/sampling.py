@@ -109,6 +109,18 @@ class SampleResult:
     top: tuple[tuple[int, float], ...] | None = None
 
 
+def _host_read(ids: torch.Tensor) -> list[int]:
+    """``ids.tolist()``, waiting for the device with the GIL released: while the step's forward
+    runs, other threads (results being built, HTTP handlers, Ray) get the interpreter."""
+    if ids.device.type == "cuda":
+        host = ids.to("cpu", non_blocking=True)  # into pinned memory
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # releases the GIL while it waits
+        return host.tolist()
+    return ids.tolist()
+
+
 def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
     """One token per row; ids (and asked-for log-probs) reach the host in one read."""
     chosen: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
@@ -130,7 +142,7 @@ def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
         else:
             probs = torch.softmax(s, dim=-1)
             chosen[i] = torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0]
-    tokens = torch.stack(chosen).tolist()  # the step's one host read
+    tokens = _host_read(torch.stack(chosen))  # the step's one host read
     results = []
     for i, row in enumerate(rows):
         if row.logprobs < 0:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Sequence
@@ -82,13 +83,39 @@ class _PendingTexts:
         batches: list[list[int]] = []
         for _, _, ids, shape in self.items:
             batches.extend([[i] for i in ids] if shape == "each" else [ids])
-        texts = iter(tokenizer.batch_decode(batches) if batches else [])
+        texts = iter(_decode_all(tokenizer, batches))
         for target, key, ids, shape in self.items:
             if shape == "each":
                 target[key] = [next(texts) for _ in ids]
             else:
                 text = next(texts)
                 target[key] = text[-shape:] if isinstance(shape, int) else text
+
+
+_SINGLE_TOKEN_TEXTS: "weakref.WeakKeyDictionary[Any, dict[int, str]]" = weakref.WeakKeyDictionary()
+_SINGLE_TOKEN_CACHE_MAX = 1 << 18
+
+
+def _decode_all(tokenizer: Any, batches: list[list[int]]) -> list[str]:
+    """``batch_decode(batches)``, decoding each distinct id list once. A payload names the same few
+    thousand tokens over and over (every step's top 20); single ids are remembered per tokenizer
+    across requests, because decoding is what a finished batch of requests spends its time on."""
+    try:
+        single = _SINGLE_TOKEN_TEXTS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no cross-request memory
+        single = {}
+    distinct: dict[tuple[int, ...], str | None] = {}
+    for ids in batches:
+        key = tuple(ids)
+        if key not in distinct:
+            distinct[key] = single.get(ids[0]) if len(ids) == 1 else None
+    todo = [key for key, text in distinct.items() if text is None]
+    if todo:
+        for key, text in zip(todo, tokenizer.batch_decode([list(k) for k in todo])):
+            distinct[key] = text
+            if len(key) == 1 and len(single) < _SINGLE_TOKEN_CACHE_MAX:
+                single[key[0]] = text
+    return [distinct[tuple(ids)] for ids in batches]  # type: ignore[misc]
 
 
 class _LogBudget:
@@ -146,7 +173,9 @@ class PayloadBuilder:
 
     # ------------------------------------------------------------------------ during the loop
 
-    def event(self, event: ModEvent) -> int:
+    def event(self, event: ModEvent, top: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """Record ``event``; for a ForwardPass, ``top`` is its logits' top log-probs and ids as the
+        backend computed them for the whole batch (else they are computed here, per request)."""
         index = len(self._events)
         record: dict[str, Any] = {
             "event_type": type(event).__name__,
@@ -159,7 +188,7 @@ class PayloadBuilder:
             record["max_steps"] = int(event.max_steps)
             self._fed_upto = None
         elif isinstance(event, ForwardPass):
-            self._record_forward(record, event)
+            self._record_forward(record, event, top)
         elif isinstance(event, Sampled):
             record["sampled_token"] = int(event.sampled_token)
             self._texts.add(record, "token_text", [event.sampled_token], _TOKEN_TEXT_CHARS)
@@ -170,13 +199,17 @@ class PayloadBuilder:
         self._events.append(record)
         return index
 
-    def _record_forward(self, record: dict[str, Any], event: ForwardPass) -> None:
+    def _record_forward(self, record: dict[str, Any], event: ForwardPass,
+                        top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         ids = list(event.input_ids or [])
         fed = ids if self._fed_upto is None else (ids[self._fed_upto:] or ids[-1:])
         self._fed_upto = len(ids)
         self._texts.add(record, "input_text", fed, _INPUT_TEXT_CHARS)
+        if top is not None:  # stays on device until build: no per-step sync
+            self._top.append((record, top[0][:TOP_TOKENS], top[1][:TOP_TOKENS]))
+            return
         logits = getattr(event.logits, "tensor", None)
-        if isinstance(logits, torch.Tensor):  # stays on device until build: no per-step sync
+        if isinstance(logits, torch.Tensor):
             values, indices = torch.log_softmax(logits.reshape(-1).float(), dim=-1).topk(TOP_TOKENS)
             self._top.append((record, values, indices))
 
@@ -314,17 +347,18 @@ class PayloadBuilder:
         if self._top:
             values = torch.stack([v for _, v, _ in self._top]).cpu()  # one device→host copy
             indices = torch.stack([i for _, _, i in self._top]).cpu()
-            for (record, _, _), row_v, row_i in zip(self._top, values.tolist(), indices.tolist()):
-                tops = [{"token": int(t), "logprob": finite(float(lp))} for t, lp in zip(row_i, row_v)]
-                record["top_tokens"] = tops
-                for entry in tops:
-                    self._texts.add(entry, "token_str", [entry["token"]], _TOKEN_TEXT_CHARS)
+            rows_i, rows_v = indices.tolist(), values.tolist()
+            distinct = sorted({t for row in rows_i for t in row})
+            texts = {t: text[-_TOKEN_TEXT_CHARS:]
+                     for t, text in zip(distinct, _decode_all(self._tokenizer, [[t] for t in distinct]))}
+            for (record, _, _), row_i, row_v in zip(self._top, rows_i, rows_v):
+                record["top_tokens"] = [
+                    {"token": t, "logprob": lp if math.isfinite(lp) else None, "token_str": texts[t],
+                     "prob": math.exp(lp) if lp > -700 else 0.0}
+                    for t, lp in zip(row_i, row_v)]
             self._top = []
         self._texts.resolve(self._tokenizer)
         self._texts = _PendingTexts()
-        for record in self._events:
-            for entry in record.get("top_tokens", []):
-                entry["prob"] = _prob(entry["logprob"])
         self._request_cut_marker()
         request = dict(self._request)
         request.update({
@@ -371,10 +405,6 @@ def _with_iso(record: dict[str, Any]) -> dict[str, Any]:
 
 def _i32(value: Any) -> int:
     return max(-(2**31), min(2**31 - 1, int(value or 0)))
-
-
-def _prob(logprob: float | None) -> float:
-    return math.exp(logprob) if logprob is not None and logprob > -700 else 0.0
 
 
 def _jsonable(value: Any) -> Any:

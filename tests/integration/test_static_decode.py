@@ -68,3 +68,23 @@ def test_static_decode_events_carry_the_same_internals(engine, static_engine):
             torch.testing.assert_close(eb.logits.tensor, ea.logits.tensor, atol=1e-4, rtol=0)
             torch.testing.assert_close(eb.hidden_states.tensor, ea.hidden_states.tensor, atol=1e-4, rtol=0)
             torch.testing.assert_close(eb.attention_patterns.tensor, ea.attention_patterns.tensor, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("which", ["eager", "static"])
+def test_payload_top_tokens_come_from_the_batched_forward_and_equal_a_per_request_softmax(engine, static_engine,
+                                                                                         which):
+    """The backend computes every forward's top-20 log-probs once per batch (inside the graph on a
+    GPU); each ForwardPass record must hold exactly what a log-softmax of that event's logits gives."""
+    import torch
+
+    eng = engine if which == "eager" else static_engine
+    handles = [eng.submit(p, max_tokens=4, temperature=0.0) for p in PROMPTS[:3]]  # batched rows
+    for result in [h.result(timeout=300) for h in handles]:
+        forwards = [e for e in result.events if isinstance(e, ForwardPass)]
+        records = [r for r in result.payload["events"] if r["event_type"] == "ForwardPass"]
+        assert len(records) == len(forwards) >= 4
+        for event, record in zip(forwards, records):
+            values, indices = torch.log_softmax(event.logits.tensor.reshape(-1).float(), dim=-1).topk(20)
+            assert [t["token"] for t in record["top_tokens"]] == indices.tolist()
+            torch.testing.assert_close(torch.tensor([t["logprob"] for t in record["top_tokens"]]), values,
+                                       atol=1e-5, rtol=0)
