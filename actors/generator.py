@@ -3,26 +3,39 @@
 It holds an in-process :class:`engine.Engine` (whose own store, SAE and ingest are off) and adds
 the Ray wiring: hidden-state blocks go to SAE workers through :class:`RaySAESink`; each request's
 row goes to the StoreActor and its payload to the IngestActor, both without waiting. It is a
-threaded actor: each concurrent ``generate`` call waits in its own thread while the engine's one
-step loop runs every request in flight as one batch.
+threaded actor: each concurrent call waits in its own thread while the engine's one step loop runs
+every request in flight as one batch.
+
+Two ways in, one batch: ``generate(request)`` (Ray Jobs: one whole request per call) and
+``stream(request)`` (the Serve replica: a Ray streaming generator that hands back each token as
+the step loop commits it, then the result). ``cancel(request_id)`` ends a streamed request whose
+client left; it and the other small calls (``stats``, ``version``) run in their own concurrency
+group, so they answer even while every request thread is busy streaming.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 
 from engine import Engine
 from engine.config import RaylensConfig
 from engine.core.result import GenerationResult
+from engine.core.stream import RequestHandle
 
 from .sae_handoff import RaySAESink
 from .versioning import code_version
 
-__all__ = ["GeneratorActor", "local_engine_config"]
+__all__ = ["GeneratorActor", "local_engine_config", "portable_error", "STREAM_STARTED", "STREAM_RESULT"]
+
+STREAM_STARTED = "started"  # the first item ``stream`` yields: {"started": request_id}
+STREAM_RESULT = "result"  # the last: {"result": the result's dict}; every item between is a stream event
+CONTROL = "control"  # concurrency group of the small calls that must not wait behind streams
 
 
 def local_engine_config(config: RaylensConfig) -> RaylensConfig:
@@ -35,7 +48,39 @@ def local_engine_config(config: RaylensConfig) -> RaylensConfig:
     )
 
 
-@ray.remote
+def portable_error(err: BaseException) -> BaseException:
+    """``err``, or the nearest base class of it carrying its message and fields, whichever survives
+    pickling: Ray hands a method's exception to the caller pickled, and an error class whose
+    ``__init__`` needs keyword arguments (e.g. ``ModDirNotAllowedError``) cannot be rebuilt there,
+    which would turn a typed input error into an anonymous one the server reports as internal."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        pass
+    fields = {k: v for k, v in vars(err).items() if _pickles(v)}
+    for cls in type(err).__mro__[1:]:
+        if not issubclass(cls, Exception):
+            break
+        try:
+            twin = cls(str(err))
+            vars(twin).update(fields)
+            pickle.loads(pickle.dumps(twin))
+            return twin
+        except Exception:
+            continue
+    return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+def _pickles(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+        return True
+    except Exception:
+        return False
+
+
+@ray.remote(concurrency_groups={CONTROL: 2})
 class GeneratorActor:
     def __init__(self, config: dict[str, Any], store: Any, ingest: Any, sae_workers: list[Any]) -> None:
         self.config = RaylensConfig.from_dict(config)
@@ -50,24 +95,105 @@ class GeneratorActor:
                                    skip_first_position=sae.skip_first_position, timeout_s=self.config.ray.call_timeout_s)
             self.engine.attach_hidden_sink(self.sink, sae.layer)
         self._pending: list[Any] = []  # fire-and-forget calls to store/ingest, settled by drain()
+        self._streams: dict[str, RequestHandle] = {}  # streamed requests in flight, for cancel()
+        self._lock = threading.Lock()  # calls run on several threads
         self.requests = 0
         self.tokens = 0
+        self.cancelled = 0
 
+    @ray.method(concurrency_group=CONTROL)
     def version(self) -> str:
         return code_version()
 
+    @ray.method(concurrency_group=CONTROL)
     def model_info(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.backend.info)
+
+    @ray.method(concurrency_group=CONTROL)
+    def serve_info(self) -> dict[str, Any]:
+        """What a Serve replica needs besides the tokenizer: the model's dimensions, and whether
+        stream events carry SAE features (only when the engine encodes inline; this actor's SAE
+        runs nearline on the SAE workers, so today they do not)."""
+        recorder = self.engine.recorder
+        return {"model": self.model_info(), "sae_features_inline": recorder is not None and recorder.mode == "inline"}
+
+    @ray.method(concurrency_group=CONTROL)
+    def encode(self, prompt: str | None = None, **kwargs: Any) -> list[int]:
+        """``Engine.encode`` (chat template and all), so a replica tokenizes exactly as requests are."""
+        return self.engine.encode(prompt, **kwargs)
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         """One request (the keyword arguments of ``Engine.generate``) → the result's JSON-able dict."""
         started = time.perf_counter()
-        result: GenerationResult = self.engine.generate(**request)
+        try:
+            result: GenerationResult = self.engine.generate(**request)
+        except Exception as err:
+            raise portable_error(err) from None
+        return self._record(result, started)
+
+    @ray.method(num_returns="streaming")
+    def stream(self, request: dict[str, Any]) -> Iterator[Any]:
+        """One request (the keyword arguments of ``Engine.submit``) as a Ray streaming generator:
+        ``{"started": request_id}`` once it is queued (bad input raises the engine's typed error
+        before that), then each :class:`~engine.core.stream.TokenEvent` / ``Erased`` as the step
+        loop commits it, then ``{"result": …}``: the result's dict plus ``prompt_ids``,
+        ``sequence_ids`` and ``token_logprobs``. Recorded like :meth:`generate` (store row, ingest
+        payload, counters). A caller that stops reading should :meth:`cancel` the request: Ray
+        does not interrupt a running method of a threaded actor."""
+        started = time.perf_counter()
+        try:
+            handle = self.engine.submit(**request)
+        except Exception as err:
+            raise portable_error(err) from None
+        with self._lock:
+            self._streams[handle.request_id] = handle
+        try:
+            yield {STREAM_STARTED: handle.request_id}
+            for event in handle:
+                yield event
+            result: GenerationResult = handle.result()
+        except GeneratorExit:  # closed before the end: stop the request, still record its result
+            handle.cancel()
+            threading.Thread(target=self._record_when_done, args=(handle, started), daemon=True).start()
+            raise
+        except Exception as err:
+            raise portable_error(err) from None
+        finally:
+            with self._lock:
+                self._streams.pop(handle.request_id, None)
+        out = self._record(result, started)
+        out.update(prompt_ids=list(result.prompt_ids), sequence_ids=list(result.sequence_ids),
+                   token_logprobs=result.token_logprobs)
+        yield {STREAM_RESULT: out}
+
+    @ray.method(concurrency_group=CONTROL)
+    def cancel(self, request_id: str) -> bool:
+        """End a streamed request at its next step (finish reason ``cancelled``); False if it is
+        not running here (already finished, or never started)."""
+        with self._lock:
+            handle = self._streams.get(request_id)
+        if handle is None:
+            return False
+        handle.cancel()
+        return True
+
+    def _record_when_done(self, handle: RequestHandle, started: float) -> None:
+        try:
+            self._record(handle.result(timeout=self.config.ray.call_timeout_s), started)
+        except Exception:  # the request failed or never ended: nothing to record
+            pass
+
+    def _record(self, result: GenerationResult, started: float) -> dict[str, Any]:
+        """Send the result's store row and ingest payload (without waiting), count it; its dict."""
+        pending = []
         if self.config.activations.enabled:
-            self._pending.append(self.store.record_request.remote(self.engine.request_record(result)))
-        self._pending.append(self.ingest.submit.remote(result.payload))
-        self.requests += 1
-        self.tokens += len(result.sequence_ids)
+            pending.append(self.store.record_request.remote(self.engine.request_record(result)))
+        pending.append(self.ingest.submit.remote(result.payload))
+        with self._lock:
+            self._pending.extend(pending)
+            self.requests += 1
+            self.tokens += len(result.sequence_ids)
+            self.cancelled += str(result.finish_reason) == "cancelled"
         out = result.to_dict()
         out["metadata"]["actor_ms"] = round((time.perf_counter() - started) * 1000.0, 3)
         return out
@@ -76,15 +202,20 @@ class GeneratorActor:
         """Wait for every SAE block and store/ingest call this generator started; then report."""
         if self.sink is not None:
             self.sink.drain()
-        pending, self._pending = self._pending, []
+        with self._lock:
+            pending, self._pending = self._pending, []
         ray.get(pending, timeout=self.config.ray.call_timeout_s)
         return self.stats()
 
+    @ray.method(concurrency_group=CONTROL)
     def stats(self) -> dict[str, Any]:
+        """Counters: finished requests (``cancelled`` among them), generated tokens, ``streaming``
+        (streamed requests in flight), and the step loop's batching."""
         loop = self.engine.loop.stats
-        stats: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens,
-                                 "batch": {"steps": loop.steps, "max_active": loop.max_active,
-                                           "waits_for_room": loop.waits_for_room}}
+        with self._lock:
+            stats: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens, "cancelled": self.cancelled,
+                                     "streaming": len(self._streams)}
+        stats["batch"] = {"steps": loop.steps, "max_active": loop.max_active, "waits_for_room": loop.waits_for_room}
         if self.sink is not None:
             stats["sae"] = {**dataclasses.asdict(self.sink.stats), "backlog": self.sink.backlog}
         return stats

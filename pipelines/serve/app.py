@@ -1,7 +1,9 @@
 """The FastAPI app: both APIs, the viewer page, and the guards every route shares.
 
-``build_app(engine, settings)`` works over any engine object (in-process in tests, inside a Ray
-Serve replica in production). Guards, outermost first:
+``build_app(engine, settings)`` works over any engine object with ``Engine``'s serving surface: an
+in-process :class:`engine.Engine` (tests, :mod:`pipelines.serve.local`) or, in the Ray Serve
+replica, a :class:`~pipelines.serve.remote_engine.RemoteEngine` over the shared GeneratorActor.
+Guards, outermost first:
 
 * API key — when set, every route except ``/healthz`` needs ``Authorization: Bearer <key>`` or
   ``X-API-Key: <key>``; browsers (the viewer page, WebSockets) may pass ``?api_key=<key>``.

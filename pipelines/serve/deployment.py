@@ -1,14 +1,24 @@
-"""``raylens serve`` on Ray Serve: one FastAPI-ingress replica that owns an Engine.
+"""``raylens serve`` on Ray Serve: one FastAPI-ingress replica in front of the shared GeneratorActor.
 
-Why the replica holds the engine instead of calling the GeneratorActor: the actor's interface is
-one whole request per call (``generate(request) -> dict``), with no way to hand back tokens as they
-are made or to cancel a request whose client left. Streaming needs the engine's request handle in
-the same process as the socket. The replica is placed with the generator's resources from the
-config (``ray.generator_num_cpus`` / ``ray.generator_num_gpus``), and every HTTP or WebSocket
-request is one more request in that engine's shared step loop.
+The replica holds no model. It gets the config's actors through :func:`pipelines.topology.build_topology`
+(named by a key of the config, get-or-create), so ``raylens serve`` and Ray Jobs run with the same
+config share one GeneratorActor, with its SAE workers, StoreActor and IngestActor: an HTTP or
+WebSocket request is one more request in that generator's step loop, batched with whatever else
+runs there, and recorded like a job's (store row, ingest payload). The routes reach the actor
+through :class:`~pipelines.serve.remote_engine.RemoteEngine`: requests stream token by token (the
+actor's ``stream`` is a Ray streaming generator), and a client that disconnects, times out or hits
+a stop string cancels its request in the actor (``GeneratorActor.cancel``), freeing its batch slot.
+The replica itself loads only the tokenizer and asks for ``REPLICA_NUM_CPUS`` CPUs and no GPU; the
+model's resources are the generator's (``ray.generator_*``).
+
+SAE features on the stream (``sae_features: true``) need an engine that encodes inline; the
+generator's SAE runs nearline on the SAE workers (features go to the store), so through Serve
+``GET /api/v1/model/info`` reports ``sae_features_available: false`` and such requests get
+``FEATURES_UNAVAILABLE``. Stand-alone, ``pipelines.serve.local`` serves an in-process Engine, which can.
 
 The cluster: the running one when there is one (``ray.address``), else a new local one bound to
-127.0.0.1. The HTTP proxy listens on ``--host``/``--port``.
+127.0.0.1. The HTTP proxy listens on ``--host``/``--port``. The actors are detached: on a running
+cluster they keep running after ``raylens serve`` stops (``raylens stop`` removes them).
 """
 
 from __future__ import annotations
@@ -24,15 +34,18 @@ from .settings import ServeSettings
 __all__ = ["build_deployment", "deploy", "ensure_ray", "serve_forever"]
 
 APP_NAME = "raylens"
+# The replica relays tokens and decodes text; the generator holds the model. The actors of
+# configs/local.yaml ask for the 2 CPUs of a 2-core box already, so the replica asks for none.
+REPLICA_NUM_CPUS = 0.0
 
 
 class _Ingress:
-    """The replica: loads the engine once, then serves :func:`app.build_app` over it."""
+    """The replica: connects to the config's GeneratorActor once, then serves :func:`app.build_app`."""
 
     def __init__(self, config: RaylensConfig, settings: ServeSettings) -> None:
-        from engine import Engine
+        from .remote_engine import RemoteEngine
 
-        self.engine = Engine(config)
+        self.engine = RemoteEngine.connect(config)
         self.settings = settings
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -50,7 +63,7 @@ def build_deployment(config: RaylensConfig, settings: ServeSettings) -> Any:
         ingress, name="raylens", num_replicas=1,
         # every open WebSocket and stream is an ongoing request; HTTP calls come on top
         max_ongoing_requests=settings.max_ws_connections + 64,
-        ray_actor_options={"num_cpus": config.ray.generator_num_cpus, "num_gpus": config.ray.generator_num_gpus},
+        ray_actor_options={"num_cpus": REPLICA_NUM_CPUS},
     )
     return deployment.bind(config, settings)
 
@@ -88,7 +101,8 @@ def serve_forever(config: RaylensConfig, settings: ServeSettings, address: str |
     for note in settings.startup_warnings():
         print(f"raylens: WARNING: {note}", file=sys.stderr, flush=True)
     ensure_ray(config, address)
-    print("raylens: loading the model in the Serve replica…", file=sys.stderr, flush=True)
+    print("raylens: starting the Serve replica and the generator actors (loading the model)…", file=sys.stderr,
+          flush=True)
     url = deploy(config, settings)
     print(f"raylens: serving {config.backend.model_id} at {url}  (viewer: {url}/, OpenAI: {url}/v1, "
           f"attention API: {url}/api/v1). Ctrl-C stops.", file=sys.stderr, flush=True)

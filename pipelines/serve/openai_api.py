@@ -131,7 +131,7 @@ def resolve_model(service: Service, model: str) -> list[Any]:
     if model == base:
         return []
     if model.startswith(base + "/"):
-        return [service.mods.get(model[len(base) + 1:])]
+        return [service.mod(model[len(base) + 1:])]
     raise ApiError(ErrorCode.NOT_FOUND, f"`model` must be {base!r} or {base!r}/<registered mod>, got {model!r}. "
                                         f"See GET /v1/models.", "model")
 

@@ -34,6 +34,14 @@ class ModRegistry:
         return replaced
 
     def get(self, name: str) -> Callable[..., Any]:
+        """The loaded mod (for an engine in this process)."""
+        return self._entry(name)[0]
+
+    def payload(self, name: str) -> dict[str, Any]:
+        """The registered payload (for an engine in another process, which loads its own copy)."""
+        return dict(self._entry(name)[1])
+
+    def _entry(self, name: str) -> tuple[Callable[..., Any], dict[str, Any]]:
         with self._lock:
             entry = self._mods.get(name)
             known = sorted(self._mods)
@@ -41,7 +49,7 @@ class ModRegistry:
             raise ApiError(ErrorCode.NOT_FOUND, f"`model` must name a registered mod after the model id, got mod "
                                                 f"{name!r}; registered: {known[:10] or 'none'}. Register it with "
                                                 f"POST /v1/mods.", "model")
-        return entry[0]
+        return entry
 
     def names(self) -> list[str]:
         with self._lock:
@@ -89,8 +97,20 @@ class Service:
             raise ApiError(ErrorCode.INVALID_TOKEN, f"`{parameter}` must hold token ids in [0, {vocab}), got "
                                                     f"{bad[:5]} (vocab_size={vocab}).", parameter)
 
+    def mod(self, name: str) -> Any:
+        """A registered mod as the engine takes it: the loaded callable for an engine in this
+        process, the payload dict for one that declares ``mods_as_payloads`` (the GeneratorActor
+        behind :class:`~pipelines.serve.remote_engine.RemoteEngine` cannot run this process's objects)."""
+        if getattr(self.engine, "mods_as_payloads", False):
+            return self.mods.payload(name)
+        return self.mods.get(name)
+
     def sae_features_available(self) -> bool:
         """Whether token events carry SAE features: the engine encodes inline (``sae.enabled`` with
-        ``sae.mode: inline``), so each step's top-k features exist before its token is streamed."""
+        ``sae.mode: inline``), so each step's top-k features exist before its token is streamed.
+        An engine elsewhere (the GeneratorActor) says so itself with ``sae_features_inline``."""
+        inline = getattr(self.engine, "sae_features_inline", None)
+        if inline is not None:
+            return bool(inline)
         recorder = getattr(self.engine, "recorder", None)
         return recorder is not None and recorder.mode == "inline"

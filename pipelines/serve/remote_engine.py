@@ -1,0 +1,243 @@
+"""The engine surface the server's routes use, backed by the shared GeneratorActor.
+
+The routes were written against :class:`engine.Engine` (``submit`` → a handle to iterate, ``result``
+and ``cancel``; ``encode``; ``tokenizer``; ``backend.info``; ``config``). :class:`RemoteEngine` gives
+them the same surface over the GeneratorActor that Ray Jobs use, so one step loop batches HTTP
+streams with job requests, and the SAE workers, StoreActor and IngestActor record both:
+
+* ``submit`` calls the actor's streaming ``stream`` method and waits for its first item, so bad
+  input raises the engine's own typed error here, before any response starts (Ray's
+  ``RayTaskError`` wrapper is removed: :func:`unwrap`).
+* The handle (:class:`RemoteHandle`) yields the actor's ``TokenEvent`` / ``Erased`` as they come;
+  ``cancel()`` asks the actor to end the request (a client that left frees its batch slot).
+* The tokenizer is loaded here (tokenizer files only, no weights), for the routes' per-token
+  decoding; prompts are encoded by the actor (``encode``), exactly as requests are.
+* Mods travel as their payload dicts (``mods_as_payloads``): a loaded Python callable belongs to
+  the replica's process, so the actor loads its own copy from the payload, per request (as it does
+  for a job's mods; module-level state of a mod is not kept from one request to the next).
+* SAE features per token: only when the actor's engine encodes inline. The actor's SAE runs
+  nearline on the SAE workers (features reach the store, not the stream), so through the actor
+  ``sae_features_inline`` is False today and the routes answer ``FEATURES_UNAVAILABLE``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from engine.config import RaylensConfig
+from engine.core.result import FinishReason
+from engine.errors import QueueFullError
+
+__all__ = ["RemoteEngine", "RemoteHandle", "RemoteResult", "unwrap"]
+
+_END = object()
+
+
+def unwrap(err: BaseException) -> BaseException:
+    """The exception the actor raised, out of Ray's ``RayTaskError`` wrapper (whose message is a
+    remote traceback); other errors (the actor died, a timeout) as they are."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(err, RayTaskError) and isinstance(getattr(err, "cause", None), BaseException):
+        return err.cause
+    return err
+
+
+@dataclass(frozen=True)
+class RemoteResult:
+    """A finished request as the actor reports it: the fields of ``GenerationResult`` that cross
+    process boundaries (not its events, actions or payload, which stay with the actor)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_text: str
+    finish_reason: FinishReason
+    tool_calls: list[Any] | None = None
+    error: str | None = None
+    sequence_ids: list[int] = field(default_factory=list, repr=False)
+    token_logprobs: list[float | None] | None = field(default=None, repr=False)
+    metadata: dict[str, Any] = field(default_factory=dict, repr=False)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RemoteResult":
+        return cls(request_id=data["request_id"], prompt_ids=list(data.get("prompt_ids") or []),
+                   output_ids=list(data["output_ids"]), output_text=data["output_text"],
+                   finish_reason=FinishReason(data["finish_reason"]), tool_calls=data.get("tool_calls"),
+                   error=data.get("error"), sequence_ids=list(data.get("sequence_ids") or []),
+                   token_logprobs=data.get("token_logprobs"), metadata=dict(data.get("metadata") or {}),
+                   raw=dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """What ``GenerationResult.to_dict`` gave in the actor."""
+        return {k: v for k, v in self.raw.items() if k not in ("prompt_ids", "sequence_ids", "token_logprobs")}
+
+
+class RemoteHandle:
+    """One streamed request, as :class:`engine.core.stream.RequestHandle` behaves: iterate it for
+    the events, ``result(timeout)`` for the :class:`RemoteResult`, ``cancel()`` to end it early.
+
+    ``items`` yields what the actor's ``stream`` yields after its first item: events, then
+    ``{"result": dict}``; an exception it raises fails the request. A reader thread moves them
+    into a queue, so ``result`` waits with a timeout even when nobody iterates.
+    """
+
+    def __init__(self, request_id: str, items: Iterator[Any], cancel: Callable[[], None]) -> None:
+        from actors.generator import STREAM_RESULT
+
+        self.request_id = request_id
+        self._result_key = STREAM_RESULT
+        self._items = items
+        self._cancel = cancel
+        self._cancelled = False
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._future: Future = Future()
+        threading.Thread(target=self._read, daemon=True, name=f"raylens-remote-{request_id[:8]}").start()
+
+    def _read(self) -> None:
+        try:
+            for item in self._items:
+                if isinstance(item, dict) and self._result_key in item:
+                    self._future.set_result(RemoteResult.from_dict(item[self._result_key]))
+                    break
+                self._events.put(item)
+            else:
+                raise RuntimeError(f"the generator's stream of request {self.request_id!r} ended without a result")
+        except BaseException as err:  # raised to whoever waits for the result
+            self._future.set_exception(unwrap(err))
+        finally:
+            self._events.put(_END)
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            event = self._events.get()
+            if event is _END:
+                self._events.put(_END)  # a second iteration ends at once
+                return
+            yield event
+
+    def result(self, timeout: float | None = None) -> RemoteResult:
+        """The result (raises what failed the request; TimeoutError after ``timeout``)."""
+        return self._future.result(timeout)
+
+    def cancel(self) -> None:
+        """Ask the actor to end the request at its next step (finish reason ``cancelled``); once."""
+        if self._cancelled or self._future.done():
+            return
+        self._cancelled = True
+        self._cancel()
+
+
+class _Backend:
+    """``engine.backend`` as the routes read it: ``info``, ``model.config`` and ``tokenizer()``."""
+
+    def __init__(self, info: Any, tokenizer: Any, model_config: Any) -> None:
+        self.info = info
+        self.model = SimpleNamespace(config=model_config)
+        self._tokenizer = tokenizer
+
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+
+class RemoteEngine:
+    """The routes' engine over GeneratorActor handles (several: requests go round-robin)."""
+
+    mods_as_payloads = True  # see Service.mod: registered mods are sent as payload dicts
+    recorder = None  # no SAE encoder in this process
+
+    def __init__(self, generators: Sequence[Any], config: RaylensConfig, tokenizer: Any, serve_info: Mapping[str, Any],
+                 *, model_config: Any = None, accept_timeout_s: float | None = None) -> None:
+        from engine.model.backend import ModelInfo
+
+        if not generators:
+            raise ValueError("RemoteEngine needs at least one GeneratorActor handle; build them with "
+                             "pipelines.topology.build_topology(config)")
+        self.generators = list(generators)
+        self.config = config
+        model = dict(serve_info["model"])
+        model["eos_token_ids"] = tuple(model["eos_token_ids"])
+        self.backend = _Backend(ModelInfo(**model), tokenizer, model_config)
+        self.sae_features_inline = bool(serve_info.get("sae_features_inline"))
+        self.accept_timeout_s = accept_timeout_s if accept_timeout_s is not None else config.ray.call_timeout_s
+        self._next = itertools.cycle(range(len(self.generators)))
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, config: RaylensConfig) -> "RemoteEngine":
+        """Get or create the config's actors (:func:`pipelines.topology.build_topology`: the same
+        named actors a Ray Job with this config uses) and load the tokenizer and model config files."""
+        import ray
+        from transformers import AutoConfig, AutoTokenizer
+
+        from engine.model.loading import resolve_model_path
+        from pipelines.topology import build_topology
+
+        topology = build_topology(config)
+        info = ray.get(topology.generator.serve_info.remote(), timeout=config.ray.call_timeout_s)
+        path = resolve_model_path(config.backend.model_id, config.backend.model_cache_dir)  # converted by the actor
+        tokenizer = AutoTokenizer.from_pretrained(path, token=config.backend.hf_token)
+        model_config = AutoConfig.from_pretrained(path, token=config.backend.hf_token)
+        return cls(topology.generators, config, tokenizer, info, model_config=model_config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.backend.tokenizer()
+
+    def _generator(self) -> Any:
+        with self._lock:
+            return self.generators[next(self._next)]
+
+    def encode(self, prompt: str | None = None, **kwargs: Any) -> list[int]:
+        """``Engine.encode`` run by the actor (the chat template exactly as requests get it)."""
+        import ray
+
+        try:
+            return ray.get(self._generator().encode.remote(prompt, **kwargs), timeout=self.config.ray.call_timeout_s)
+        except Exception as err:
+            raise unwrap(err) from None
+
+    def submit(self, prompt: str | None = None, **kwargs: Any) -> RemoteHandle:
+        """Start one request on a generator; raises the engine's typed errors for bad input. Waits
+        at most ``accept_timeout_s`` for the actor to take it (every request thread busy):
+        then :class:`QueueFullError`."""
+        import ray
+
+        if kwargs.get("on_event") is not None:
+            raise TypeError("on_event callbacks cannot reach the GeneratorActor; read the handle's events instead")
+        kwargs.pop("on_event", None)
+        if any(callable(m) for m in kwargs.get("mods") or ()):
+            raise TypeError("mods sent to the GeneratorActor must be payload dicts or paths, not loaded callables")
+        request = {"prompt": prompt, **kwargs} if prompt is not None else kwargs
+        actor = self._generator()
+        stream = actor.stream.remote(request)
+        ready, _ = ray.wait([stream], timeout=self.accept_timeout_s)
+        if not ready:
+            try:
+                ray.cancel(stream)  # still queued: it never starts
+            except Exception:  # already started or gone: it ends at max_tokens, recorded like any other
+                pass
+            raise QueueFullError(f"the generator must take a request within {self.accept_timeout_s:g} s "
+                                 "(ray.call_timeout_s), got every request thread busy: retry later, or raise "
+                                 "ray.generator_max_concurrency (with backend.max_batch)",
+                                 parameter="ray.generator_max_concurrency")
+        try:
+            first = ray.get(next(stream))
+        except Exception as err:
+            raise unwrap(err) from None
+        from actors.generator import STREAM_STARTED
+
+        request_id = first[STREAM_STARTED]
+
+        def items() -> Iterator[Any]:
+            for ref in stream:
+                yield ray.get(ref)
+
+        return RemoteHandle(request_id, items(), lambda: actor.cancel.remote(request_id))
