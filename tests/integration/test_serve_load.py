@@ -1,7 +1,8 @@
 """A bounded load test: several WebSocket clients at once, each with a full greedy generation.
 
 Every client must get the same tokens as a client alone (requests must not see each other's
-state), and the server must serve them all without refusing any. Bounded in clients, tokens and
+state), the server must serve them all without refusing any, and their requests must share the
+engine's steps (batched, not served one after another). Bounded in clients, tokens and
 time (one overall deadline).
 """
 
@@ -53,7 +54,11 @@ def test_concurrent_websocket_clients_each_get_their_own_greedy_tokens(engine):
             jobs = [_one(ws_url, ids[prompts[i % 2]], f"load-{i}") for i in range(CLIENTS)]
             return await asyncio.wait_for(asyncio.gather(*jobs), DEADLINE_S)
 
+        steps_before = engine.loop.stats.steps
         results = asyncio.run(all_clients())
+        steps = engine.loop.stats.steps - steps_before
+    # one at a time would take CLIENTS x (NEW_TOKENS + 1) steps; sockets' requests share steps
+    assert steps <= CLIENTS * (NEW_TOKENS + 1) // 2, f"{steps} steps for {CLIENTS} clients: they were not batched"
     for i, (tokens, done) in enumerate(results):
         assert done["type"] == "done", done
         assert tokens == expected[prompts[i % 2]], f"client {i}: {tokens} != {expected[prompts[i % 2]]}"
