@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -109,20 +109,22 @@ class SampleResult:
     top: tuple[tuple[int, float], ...] | None = None
 
 
-def _host_read(ids: torch.Tensor) -> list[int]:
-    """``ids.tolist()``, waiting for the device with the GIL released: while the step's forward
-    runs, other threads (results being built, HTTP handlers, Ray) get the interpreter."""
-    if ids.device.type == "cuda":
-        host = ids.to("cpu", non_blocking=True)  # into pinned memory
+def _host_read(*tensors: torch.Tensor) -> list[list[Any]]:
+    """``[t.tolist() for t in tensors]`` in one wait for the device, with the GIL released: while
+    the step's forward runs, other threads (results being built, HTTP handlers, Ray) get the
+    interpreter."""
+    if tensors and tensors[0].device.type == "cuda":
+        hosts = [t.to("cpu", non_blocking=True) for t in tensors]  # into pinned memory
         done = torch.cuda.Event()
         done.record()
         done.synchronize()  # releases the GIL while it waits
-        return host.tolist()
-    return ids.tolist()
+        return [h.tolist() for h in hosts]
+    return [t.tolist() for t in tensors]
 
 
 def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
-    """One token per row; ids (and asked-for log-probs) reach the host in one read."""
+    """One token per row; ids and asked-for log-probs reach the host in one read (log-probs of all
+    rows that ask are computed as one batch on the device)."""
     chosen: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
     scores: list[torch.Tensor | None] = [None] * len(rows)
     plain_greedy = [i for i, r in enumerate(rows)
@@ -142,16 +144,23 @@ def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
         else:
             probs = torch.softmax(s, dim=-1)
             chosen[i] = torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0]
-    tokens = _host_read(torch.stack(chosen))  # the step's one host read
+    ids = torch.stack(chosen)  # (B,)
+    asking = [i for i, r in enumerate(rows) if r.logprobs >= 0]
+    if not asking:
+        (tokens,) = _host_read(ids)  # the step's one host read
+        return [SampleResult(int(t)) for t in tokens]
+    logp = torch.log_softmax(torch.cat([scores[i] for i in asking]), dim=-1)  # type: ignore[misc]  # (N, V)
+    picked = logp.gather(1, ids[asking].unsqueeze(1))[:, 0]  # (N,)
+    k = min(max(rows[i].logprobs for i in asking), logp.shape[-1])
+    top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (picked[:, None], ids[asking][:, None])  # (N, k)
+    tokens, picked_h, top_vh, top_ih = _host_read(ids, picked, top_v, top_i)  # the step's one host read
+    where = {i: j for j, i in enumerate(asking)}
     results = []
     for i, row in enumerate(rows):
         if row.logprobs < 0:
             results.append(SampleResult(int(tokens[i])))
             continue
-        logp = torch.log_softmax(scores[i][0], dim=-1)  # type: ignore[index]
-        top = None
-        if row.logprobs > 0:
-            values, indices = logp.topk(row.logprobs)
-            top = tuple(zip(indices.tolist(), values.tolist()))
-        results.append(SampleResult(int(tokens[i]), float(logp[tokens[i]]), top))
+        j = where[i]
+        top = tuple(zip(top_ih[j][:row.logprobs], top_vh[j][:row.logprobs])) if row.logprobs > 0 else None
+        results.append(SampleResult(int(tokens[i]), float(picked_h[j]), top))
     return results
