@@ -1,9 +1,10 @@
 """GeneratorActor: the model and the mod loop, in a Ray actor.
 
 It holds an in-process :class:`engine.Engine` (whose own store, SAE and ingest are off) and adds
-the Ray wiring: hidden-state blocks go to SAE workers through :class:`RaySAESink`; each request's
-row goes to the StoreActor and its payload to the IngestActor, both without waiting. It is a
-threaded actor: each concurrent call waits in its own thread while the engine's one step loop runs
+the Ray wiring: hidden-state blocks go to SAE workers through :class:`RaySAESink` (or, with
+``sae.mode: inline``, the actor encodes each step itself and sends the rows to the StoreActor, so
+events and streams carry features); each request's row goes to the StoreActor and its payload to
+the IngestActor, both without waiting. It is a threaded actor: each concurrent call waits in its own thread while the engine's one step loop runs
 every request in flight as one batch.
 
 Two ways in, one batch: ``generate(request)`` (Ray Jobs: one whole request per call) and
@@ -27,6 +28,8 @@ from engine import Engine
 from engine.config import RaylensConfig
 from engine.core.result import GenerationResult
 from engine.core.stream import RequestHandle
+from engine.services.sae import SAEEncoder
+from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
 
 from .sae_handoff import RaySAESink
 from .versioning import code_version
@@ -88,18 +91,44 @@ class GeneratorActor:
         self.store = store
         self.ingest = ingest
         self.sink: RaySAESink | None = None
-        if self.config.sae.enabled and sae_workers:
-            sae = self.config.sae
+        self._pending: list[Any] = []  # fire-and-forget calls to store/ingest, settled by drain()
+        self._lock = threading.Lock()  # calls run on several threads
+        sae = self.config.sae
+        if sae.enabled and sae.mode == "inline":
+            self.engine.use_sae(self._inline_recorder())
+        elif sae.enabled and sae_workers:
             self.sink = RaySAESink(sae_workers, store, layer=sae.layer, block_steps=sae.block_steps,
                                    max_inflight=self.config.ray.max_inflight_blocks,
                                    skip_first_position=sae.skip_first_position, timeout_s=self.config.ray.call_timeout_s)
             self.engine.attach_hidden_sink(self.sink, sae.layer)
-        self._pending: list[Any] = []  # fire-and-forget calls to store/ingest, settled by drain()
         self._streams: dict[str, RequestHandle] = {}  # streamed requests in flight, for cancel()
-        self._lock = threading.Lock()  # calls run on several threads
         self.requests = 0
         self.tokens = 0
         self.cancelled = 0
+
+    def _inline_recorder(self) -> ActivationRecorder:
+        """``sae.mode: inline``: this actor encodes every step itself, before the step's events, so
+        mods see ``event.sae_features``, Steer works and streams (the Serve replica's sockets)
+        carry each token's features; the rows still go to the single writer, the StoreActor."""
+        sae, info = self.config.sae, self.engine.backend.info
+        encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
+                                  model_layers=info.num_layers,
+                                  device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
+
+        def write(rows: Any, batch_id: str, request_id: str) -> int:
+            ref = self.store.append.remote(rows, batch_id, request_id)
+            with self._lock:
+                self._pending.append(ref)
+            return rows.num_rows
+
+        def missing(block: HiddenBlock, reason: str) -> None:
+            ref = self.store.record_missing.remote(**block.meta().ledger(), reason=reason[:2000])
+            with self._lock:
+                self._pending.append(ref)
+
+        return ActivationRecorder(encoder, write, missing, mode="inline", block_steps=sae.block_steps,
+                                  max_pending_blocks=sae.max_pending_blocks, model_id=info.model_id,
+                                  skip_first_position=sae.skip_first_position)
 
     @ray.method(concurrency_group=CONTROL)
     def version(self) -> str:
@@ -112,8 +141,8 @@ class GeneratorActor:
     @ray.method(concurrency_group=CONTROL)
     def serve_info(self) -> dict[str, Any]:
         """What a Serve replica needs besides the tokenizer: the model's dimensions, and whether
-        stream events carry SAE features (only when the engine encodes inline; this actor's SAE
-        runs nearline on the SAE workers, so today they do not)."""
+        stream events carry SAE features (only when this actor encodes inline, ``sae.mode:
+        inline``; nearline, its SAE runs on the SAE workers)."""
         recorder = self.engine.recorder
         return {"model": self.model_info(), "sae_features_inline": recorder is not None and recorder.mode == "inline"}
 
@@ -202,6 +231,7 @@ class GeneratorActor:
         """Wait for every SAE block and store/ingest call this generator started; then report."""
         if self.sink is not None:
             self.sink.drain()
+        self.engine.flush()  # an inline recorder's last rows
         with self._lock:
             pending, self._pending = self._pending, []
         ray.get(pending, timeout=self.config.ray.call_timeout_s)
@@ -218,4 +248,6 @@ class GeneratorActor:
         stats["batch"] = {"steps": loop.steps, "max_active": loop.max_active, "waits_for_room": loop.waits_for_room}
         if self.sink is not None:
             stats["sae"] = {**dataclasses.asdict(self.sink.stats), "backlog": self.sink.backlog}
+        elif self.engine.recorder is not None:
+            stats["sae"] = {"mode": "inline", **self.engine.recorder.stats.as_dict()}
         return stats

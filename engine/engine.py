@@ -104,13 +104,19 @@ class Engine:
             self.store = ActivationStore.from_config(config.activations)
         self._steering: SteeringDirections | None = None
         if config.sae.enabled:
-            self.recorder = self._build_recorder()
-            self._sink, self._sink_layer = self.recorder, self.recorder.encoder.identity.layer
-            self._steering = SteeringDirections(self.recorder.encoder)
+            self.use_sae(self._build_recorder())
         self.loop = StepLoop.for_backend(self.backend)
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
         freeze_startup_objects()
 
+
+    def use_sae(self, recorder: ActivationRecorder) -> None:
+        """Encode every forward's residual stream with ``recorder`` (its SAE's layer): inline, its
+        features ride on events and streams, and Steer actions use its decoder directions. The
+        Ray generator hands in one that writes through the StoreActor."""
+        self.recorder = recorder
+        self.attach_hidden_sink(recorder, recorder.encoder.identity.layer)
+        self._steering = SteeringDirections(recorder.encoder)
 
     def attach_hidden_sink(self, sink: HiddenSink, layer: int) -> None:
         """Subscribe ``sink`` to every forward's residual stream after ``layer`` (the Ray

@@ -11,10 +11,10 @@ a stop string cancels its request in the actor (``GeneratorActor.cancel``), free
 The replica itself loads only the tokenizer and asks for ``REPLICA_NUM_CPUS`` CPUs and no GPU; the
 model's resources are the generator's (``ray.generator_*``).
 
-SAE features on the stream (``sae_features: true``) need an engine that encodes inline; the
-generator's SAE runs nearline on the SAE workers (features go to the store), so through Serve
-``GET /api/v1/model/info`` reports ``sae_features_available: false`` and such requests get
-``FEATURES_UNAVAILABLE``. Stand-alone, ``pipelines.serve.local`` serves an in-process Engine, which can.
+SAE features on the stream (``sae_features: true``) need a generator that encodes inline
+(``sae.mode: inline``); with the default nearline mode its SAE runs on the SAE workers (features
+go to the store only), so ``GET /api/v1/model/info`` reports ``sae_features_available: false`` and
+such requests get ``FEATURES_UNAVAILABLE``.
 
 The cluster: the running one when there is one (``ray.address``), else a new local one bound to
 127.0.0.1. The HTTP proxy listens on ``--host``/``--port``. The actors are detached: on a running

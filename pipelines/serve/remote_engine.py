@@ -15,9 +15,10 @@ streams with job requests, and the SAE workers, StoreActor and IngestActor recor
 * Mods travel as their payload dicts (``mods_as_payloads``): a loaded Python callable belongs to
   the replica's process, so the actor loads its own copy from the payload, per request (as it does
   for a job's mods; module-level state of a mod is not kept from one request to the next).
-* SAE features per token: only when the actor's engine encodes inline. The actor's SAE runs
-  nearline on the SAE workers (features reach the store, not the stream), so through the actor
-  ``sae_features_inline`` is False today and the routes answer ``FEATURES_UNAVAILABLE``.
+* SAE features per token: when the actor's engine encodes inline (``sae.mode: inline``; the
+  actor reports it as ``sae_features_inline``). With the default nearline mode its SAE runs on
+  the SAE workers (features reach the store, not the stream) and the routes answer
+  ``FEATURES_UNAVAILABLE``.
 """
 
 from __future__ import annotations

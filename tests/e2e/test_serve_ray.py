@@ -209,3 +209,56 @@ def test_a_job_request_on_the_named_generator_shares_steps_with_an_http_stream(s
     assert done["type"] == "done" and done["finish_reason"] == "cancelled", done
     stats = wait_until(lambda: (s := _stats(generator))["streaming"] == 0 and s, timeout=60, what="the stream to end")
     assert stats["batch"]["max_active"] >= 2
+
+
+def test_a_generator_that_encodes_inline_streams_each_tokens_sae_features_and_stores_them(ray_head, tmp_path):
+    """``sae.mode: inline`` in the actor: features exist before each step's events, so the
+    replica's sockets carry them (the routes' engine is the actor, through RemoteEngine) and the
+    same rows reach the StoreActor."""
+    import ray
+    import websockets
+
+    from pipelines.serve.app import build_app
+    from pipelines.serve.local import serve_in_thread
+    from pipelines.serve.remote_engine import RemoteEngine
+    from pipelines.serve.settings import ServeSettings
+    from pipelines.topology import actor_roles
+    from tests.e2e.conftest import ray_config
+
+    base = ray_config(tmp_path, sae_workers=1, sae_worker_num_cpus=0.25)
+    config = dataclasses.replace(base, sae=dataclasses.replace(base.sae, mode="inline"))
+    try:
+        engine = RemoteEngine.connect(config)  # creates the config's actors, as `raylens serve` does
+        generator = engine.generators[0]
+        store = ray.get_actor(actor_roles(config)["raylens-store"], namespace=config.ray.namespace)
+        with serve_in_thread(build_app(engine, ServeSettings(max_new_tokens=8))) as url:
+            info = json.loads(__import__("httpx").get(f"{url}/api/v1/model/info", timeout=60).text)
+            assert info["sae_features_available"] is True
+
+            async def stream():
+                async with websockets.connect(url.replace("http://", "ws://") + "/api/v1/generate/stream") as ws:
+                    await ws.send(json.dumps({"type": "generate", "input_ids": engine.encode("Tell me a story"),
+                                              "max_new_tokens": 4, "temperature": 0, "sae_features": True,
+                                              "request_id": "inline-sae"}))
+                    out = []
+                    while True:
+                        message = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                        out.append(message)
+                        if message["type"] != "token":
+                            return out
+
+            messages = asyncio.run(stream())
+        assert messages[-1]["type"] == "done", messages[-1]
+        tokens = [m for m in messages if m["type"] == "token"]
+        assert len(tokens) == 4
+        for message in tokens:
+            features = message["sae_features"]
+            assert len(features["ids"]) == config.sae.top_k == len(features["values"])
+            assert features["values"] == sorted(features["values"], reverse=True) and features["values"][0] > 0
+        stats = ray.get(generator.drain.remote(), timeout=120)
+        assert stats["sae"]["mode"] == "inline" and stats["sae"]["rows_written"] > 0
+        stored = ray.get(store.sql.remote("select count(*) from activations where request_id = ?", ["inline-sae"]),
+                         timeout=60)
+        assert stored[0][0] > 0, "the inline rows never reached the StoreActor"
+    finally:
+        kill_namespace_actors(config)
