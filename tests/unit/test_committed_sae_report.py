@@ -27,10 +27,10 @@ def report() -> dict:
     return json.loads((DIRECTORY / "training_report.json").read_text(encoding="utf-8"))
 
 
-#: The committed SAE explains 0.78 of the held-out variance (0.76-0.79 per kind): short of the goal
-#: until a run on more tokens (see the README). Strict: a report that meets it makes these fail, so
-#: the marker is removed then.
-EV_NOT_MET = pytest.mark.xfail(strict=True, reason="explained variance goal (0.85) not met yet by the committed SAE")
+#: The goal is on the held-out mix (met: 0.857). Each kind is reported too; prose explains 0.841 on
+#: its own, short of 0.85 until a run with more prose (see the README). Strict: a report that meets
+#: it makes that case fail, so the marker is removed then.
+PROSE_NOT_MET = pytest.mark.xfail(strict=True, reason="prose alone explains 0.841 of its variance, short of 0.85")
 
 
 def _sparse_and_measured(figures: dict, where: str) -> None:
@@ -51,13 +51,11 @@ def test_each_kind_of_text_is_measured_and_sparse(report, kind):
     _sparse_and_measured(report["heldout_by_kind"][kind], kind)
 
 
-@EV_NOT_MET
-def test_the_explained_variance_goal_is_met_overall(report):
+def test_the_explained_variance_goal_is_met_on_the_held_out_mix(report):
     assert report["heldout"]["explained_variance"] >= EV_MIN
 
 
-@EV_NOT_MET
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param("prose", marks=PROSE_NOT_MET), "chat", "code"])
 def test_the_explained_variance_goal_is_met_for_each_kind_of_text(report, kind):
     assert report["heldout_by_kind"][kind]["explained_variance"] >= EV_MIN
 
