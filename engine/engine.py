@@ -40,6 +40,7 @@ from mods import conversation
 from mods.legacy_names import install_legacy_names
 from mods.loading import ModSpec, resolve_mods
 from mods.manager import ModManager, mod_name
+from mods.validation import InvalidActionValue, check_token_ids
 from mods.types import ModEvent
 
 __all__ = ["Engine", "load_mods"]
@@ -227,19 +228,22 @@ class Engine:
     def _generation_config(self, **overrides: Any) -> GenerationConfig:
         given = {k: v for k, v in overrides.items() if v is not None}
         if "stop_tokens" in given:
-            given["stop_tokens"] = tuple(int(t) for t in given["stop_tokens"])
+            given["stop_tokens"] = tuple(self._check_ids(given["stop_tokens"], "stop_tokens"))
         try:
             return dataclasses.replace(self.config.generation, **given)
         except ConfigError as err:
             raise InvalidRequestError(str(err), parameter=err.parameter, value=err.value) from None
 
-    def _check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+    def _check_ids(self, ids: Any, what: str) -> list[int]:
+        """``ids`` as ints in the vocabulary (the same rule mods' token ids follow); a float, a
+        string or an id out of range is the caller's typed error, not a traceback."""
         vocab = self.backend.info.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise TokenOutOfVocabularyError(f"`{what}` must hold token ids in [0, {vocab}), got {bad[:5]}",
-                                            parameter=what, value=bad[:5])
-        return list(ids)
+        try:
+            return check_token_ids(ids, vocab, field=what)
+        except InvalidActionValue as err:
+            out_of_range = isinstance(err.value, int) and not isinstance(err.value, bool)
+            kind = TokenOutOfVocabularyError if out_of_range else InvalidRequestError
+            raise kind(str(err), parameter=err.parameter, value=err.value) from None
 
     def _claim(self, request_id: str) -> None:
         with self._lock:
@@ -291,7 +295,7 @@ class Engine:
             raise ContextOverflowError(f"the prompt must be shorter than {limit} tokens (the model's context and "
                                        f"backend.max_sequence), got {len(ids)}; shorten it",
                                        parameter="input_ids", value=len(ids))
-        banned = tuple(self._check_ids([int(t) for t in banned_tokens or ()], "banned_tokens"))
+        banned = tuple(self._check_ids(banned_tokens or (), "banned_tokens"))
         if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float))
                                                    and 0 < repetition_penalty < float("inf")):
             raise InvalidRequestError(f"`repetition_penalty` must be a finite number > 0, got {repetition_penalty!r}",

@@ -208,8 +208,12 @@ def test_eos_stops_generation_and_max_tokens_is_respected(engine):
 
 def test_bad_token_ids_and_oversized_prompts_are_clear_errors(engine):
     vocab = engine.backend.info.vocab_size
-    with pytest.raises(TokenOutOfVocabularyError, match=rf"token ids in \[0, {vocab}\)"):
+    with pytest.raises(TokenOutOfVocabularyError, match=rf"`input_ids\[1\]` must be a token id in \[0, {vocab}\)"):
         engine.generate(input_ids=[1, vocab + 5], max_tokens=2)
+    with pytest.raises(InvalidRequestError, match=r"`banned_tokens\[0\]` must be an int token id, got 'a'"):
+        engine.submit(PROMPT, max_tokens=2, banned_tokens=["a"])
+    with pytest.raises(TokenOutOfVocabularyError, match=r"`stop_tokens\[1\]`"):
+        engine.generate(PROMPT, max_tokens=2, stop_tokens=[2, vocab])
     with pytest.raises(ContextOverflowError, match="must be shorter than"):
         engine.generate(input_ids=[1] * engine.backend.info.max_context, max_tokens=2)
     with pytest.raises(InvalidRequestError, match="`prompt` must be a non-empty string"):
