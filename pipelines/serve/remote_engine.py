@@ -24,20 +24,17 @@ streams with job requests, and the SAE workers, StoreActor and IngestActor recor
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from engine.config import RaylensConfig
 from engine.core.result import FinishReason
+from engine.core.stream import RequestHandle
 from engine.errors import QueueFullError
 
 __all__ = ["RemoteEngine", "RemoteHandle", "RemoteResult", "unwrap"]
-
-_END = object()
 
 
 def unwrap(err: BaseException) -> BaseException:
@@ -81,59 +78,45 @@ class RemoteResult:
         return {k: v for k, v in self.raw.items() if k not in ("prompt_ids", "sequence_ids", "token_logprobs")}
 
 
-class RemoteHandle:
-    """One streamed request, as :class:`engine.core.stream.RequestHandle` behaves: iterate it for
-    the events, ``result(timeout)`` for the :class:`RemoteResult`, ``cancel()`` to end it early.
+class RemoteHandle(RequestHandle):
+    """One streamed request, as :class:`engine.core.stream.RequestHandle` (whose event queue,
+    iteration and result it reuses): iterate it for the events, ``result(timeout)`` for the
+    :class:`RemoteResult`, ``cancel()`` to end it early in the actor.
 
     ``items`` yields what the actor's ``stream`` yields after its first item: events, then
     ``{"result": dict}``; an exception it raises fails the request. A reader thread moves them
-    into a queue, so ``result`` waits with a timeout even when nobody iterates.
+    into the queue, so ``result`` waits with a timeout even when nobody iterates.
     """
 
     def __init__(self, request_id: str, items: Iterator[Any], cancel: Callable[[], None]) -> None:
         from actors.generator import STREAM_RESULT
 
-        self.request_id = request_id
+        super().__init__(request_id)
         self._result_key = STREAM_RESULT
         self._items = items
-        self._cancel = cancel
-        self._cancelled = False
-        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._future: Future = Future()
+        self._cancel_remote = cancel
         threading.Thread(target=self._read, daemon=True, name=f"raylens-remote-{request_id[:8]}").start()
 
     def _read(self) -> None:
         try:
             for item in self._items:
                 if isinstance(item, dict) and self._result_key in item:
-                    self._future.set_result(RemoteResult.from_dict(item[self._result_key]))
+                    self.set_result(RemoteResult.from_dict(item[self._result_key]))
                     break
                 self._events.put(item)
             else:
                 raise RuntimeError(f"the generator's stream of request {self.request_id!r} ended without a result")
         except BaseException as err:  # raised to whoever waits for the result
-            self._future.set_exception(unwrap(err))
-        finally:
-            self._events.put(_END)
-
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            event = self._events.get()
-            if event is _END:
-                self._events.put(_END)  # a second iteration ends at once
-                return
-            yield event
-
-    def result(self, timeout: float | None = None) -> RemoteResult:
-        """The result (raises what failed the request; TimeoutError after ``timeout``)."""
-        return self._future.result(timeout)
+            self.set_exception(unwrap(err))
+        else:
+            self.end()
 
     def cancel(self) -> None:
         """Ask the actor to end the request at its next step (finish reason ``cancelled``); once."""
-        if self._cancelled or self._future.done():
+        if self.cancel_requested or self._future.done():
             return
-        self._cancelled = True
-        self._cancel()
+        super().cancel()
+        self._cancel_remote()
 
 
 class _Backend:
