@@ -110,7 +110,6 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
         freeze_startup_objects()
 
-
     def use_sae(self, recorder: ActivationRecorder) -> None:
         """Encode every forward's residual stream with ``recorder`` (its SAE's layer): inline, its
         features ride on events and streams, and Steer actions use its decoder directions. The

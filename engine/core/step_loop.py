@@ -132,7 +132,6 @@ class StepLoop:
     def active(self) -> int:
         return len(self._active)
 
-
     # ------------------------------------------------------------------------------- the loop
 
     def _run(self) -> None:
