@@ -127,8 +127,9 @@ class BackendConfig:
     max_sequence: int | None = None  # positions per slot (prompt + output); None: the model's context
     initial_cache_tokens: int = 256  # per-slot cache length allocated up front; grows by doubling
     # decode forwards on static buffers: "auto" captures CUDA graphs on a GPU (eager elsewhere),
-    # "static" runs the static-buffer path without capture, "off" is always eager
-    graph_decode: Literal["auto", "static", "off"] = "auto"
+    # "static" runs the static-buffer path without capture, "compile" runs it through torch.compile
+    # (a compile per decode shape; pays off on long CPU runs only), "off" is always eager
+    graph_decode: Literal["auto", "static", "compile", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if self.backend_type != "huggingface":
@@ -146,7 +147,8 @@ class BackendConfig:
             ("max_waiting", isinstance(self.max_waiting, int) and self.max_waiting >= 0, ">= 0"),
             ("max_sequence", self.max_sequence is None or self.max_sequence >= 2, ">= 2 or null"),
             ("initial_cache_tokens", self.initial_cache_tokens >= 1, ">= 1"),
-            ("graph_decode", self.graph_decode in ("auto", "static", "off"), "one of auto, static, off"),
+            ("graph_decode", self.graph_decode in ("auto", "static", "compile", "off"),
+             "one of auto, static, compile, off"),
         ])
 
 

@@ -397,6 +397,8 @@ def run_cli(args: argparse.Namespace) -> int:
     from .bench_batching import build_random_model, format_concurrency, run_concurrency_bench
 
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if getattr(args, "decode_modes", False):  # its own engines, one per mode
+        return _decode_modes_cli(args, progress)
     overrides: dict[str, dict[str, Any]] = {}
     if getattr(args, "random_model", None):
         path = build_random_model(args.random_model, tokenizer=getattr(args, "tokenizer", None), progress=progress)
@@ -641,6 +643,26 @@ def _serve_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], 
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return 0
+
+
+def _decode_modes_cli(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    from engine.config import load_config
+
+    from .bench_decode_modes import format_decode_modes, run_decode_modes_bench
+    from .cli import UsageError
+
+    counts = sorted(set(args.concurrency or [8]))
+    if len(counts) > 1:
+        raise UsageError("--decode-modes takes at most one --concurrency N")
+    print("raylens bench: loading one engine per decode mode…", file=sys.stderr, flush=True)
+    report = run_decode_modes_bench(load_config(args.config), concurrency=counts[0], new_tokens=args.new_tokens,
+                                    repeats=args.repeats, progress=progress)
+    print(format_decode_modes(report))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

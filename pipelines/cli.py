@@ -190,6 +190,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="instead: embeddings/s batched vs one by one, and a full named-tensor dump vs a plain forward")
     p.add_argument("--concurrency", type=int, action="append", metavar="N",
                    help="instead: N concurrent requests beside transformers' padded batch of N (repeatable)")
+    p.add_argument("--decode-modes", action="store_true",
+                   help="instead: backend.graph_decode off / static / compile side by side, compile time included "
+                        "(with --concurrency N: 1 and N requests; default 8)")
     p.add_argument("--random-model", choices=["llama31-8b"],
                    help="on a CUDA machine: benchmark this architecture with random bf16 weights (built once)")
     p.add_argument("--tokenizer", help="with --random-model: a tokenizer directory (default: the embedded model's)")

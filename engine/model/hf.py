@@ -77,7 +77,8 @@ class HuggingFaceBackend:
         head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
         mode = config.graph_decode
         self._graph_capture = mode == "auto" and self.device.type == "cuda"
-        self._static_decode = self._graph_capture or mode == "static"
+        self._compile_decode = mode == "compile"
+        self._static_decode = self._graph_capture or mode in ("static", "compile")
         # graphs hold the cache's addresses: a static cache is allocated whole, once
         capacity = self._max_sequence if self._static_decode else config.initial_cache_tokens
         # one slot per request, plus a scratch slot that static decode's padding rows write to
@@ -176,7 +177,8 @@ class HuggingFaceBackend:
         decode = self._graphs.get(key)
         if decode is None:
             decode = self._graphs[key] = StaticDecode(self.model, self.cache, key, scratch_slot=self.max_batch,
-                                                      capture=self._graph_capture, pool=self._graph_pool)
+                                                      capture=self._graph_capture, pool=self._graph_pool,
+                                                      compile=self._compile_decode)
             self.graph_stats["graphs"] = len(self._graphs)
         out = decode.run([r.tokens[0] for r in rows], starts)
         self.graph_stats["static_steps"] += 1

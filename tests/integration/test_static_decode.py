@@ -88,3 +88,30 @@ def test_payload_top_tokens_come_from_the_batched_forward_and_equal_a_per_reques
             assert [t["token"] for t in record["top_tokens"]] == indices.tolist()
             torch.testing.assert_close(torch.tensor([t["logprob"] for t in record["top_tokens"]]), values,
                                        atol=1e-5, rtol=0)
+
+
+def test_compiled_decode_equals_eager_token_for_token_and_carries_the_same_internals(engine):
+    """``graph_decode: compile`` runs the static path through torch.compile (the CPU question: is a
+    compiled step faster?). Whatever it does to speed, its tokens and internals must be eager's,
+    including a Backtrack (a position move inside one compiled shape) and a multi-token force."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from engine import Engine
+
+    before = counters["stats"]["unique_graphs"]
+    with Engine(build_config(graph_decode="compile", max_sequence=128, max_batch=1)) as compiled:
+        for mods in (None, [backtrack_and_force]):
+            a = engine.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, mods=mods)
+            b = compiled.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, mods=mods)
+            assert b.sequence_ids == a.sequence_ids, f"mods={mods}: the compiled decode differs from eager"
+        for ea, eb in zip(a.events, b.events):
+            if isinstance(ea, ForwardPass):
+                torch.testing.assert_close(eb.logits.tensor, ea.logits.tensor, atol=1e-3, rtol=0)
+                torch.testing.assert_close(eb.hidden_states.tensor, ea.hidden_states.tensor, atol=1e-3, rtol=0)
+                torch.testing.assert_close(eb.attention_patterns.tensor, ea.attention_patterns.tensor, atol=1e-4,
+                                           rtol=0)
+        decodes = list(compiled.backend._graphs.values())
+        assert decodes and compiled.backend.graph_stats["static_steps"] > 0
+        assert all(d.compile_error is None for d in decodes), [d.compile_error for d in decodes]
+    assert counters["stats"]["unique_graphs"] > before, "nothing was compiled: the test proved nothing"
