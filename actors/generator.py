@@ -245,7 +245,9 @@ class GeneratorActor:
         with self._lock:
             stats: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens, "cancelled": self.cancelled,
                                      "streaming": len(self._streams)}
-        stats["batch"] = {"steps": loop.steps, "max_active": loop.max_active, "waits_for_room": loop.waits_for_room}
+        stats["batch"] = {"steps": loop.steps, "max_active": loop.max_active, "waits_for_room": loop.waits_for_room,
+                          "deferred_announcements": loop.deferred_announcements,
+                          "mean_launch_gap_ms": round(loop.mean_launch_gap_ms, 3)}
         if self.sink is not None:
             stats["sae"] = {**dataclasses.asdict(self.sink.stats), "backlog": self.sink.backlog}
         elif self.engine.recorder is not None:

@@ -8,7 +8,13 @@ Rows for each concurrency N:
 * ``hf generate, static cache, batch of N`` — on CUDA only (transformers compiles the forward);
 * ``raylens, N concurrent requests`` — N requests submitted at once (default capture: hidden states
   and attention at the configured layer), with and without a logits-adjusting mod on every one;
+* ``raylens, N concurrent, no announcement overlap`` — the same with every step's Sampled/Added
+  announced before the next forward is launched (on a CPU, where that is the default, the row is
+  ``announcements overlapped`` instead): the overlap's effect, side by side;
 * ``raylens, 1 request`` and ``hf generate, 1 request`` for the single-stream ratio.
+
+Each raylens row also reports the mean host time from a step's sampled ids to the next forward's
+launch: on a GPU the device idles for that long every step.
 
 Tokens/s counts new tokens over the whole call (prefill included) for every path. On a GPU machine
 ``--random-model llama31-8b`` builds Llama-3.1-8B's architecture (``configs/models/llama31-8b.json``)
@@ -105,11 +111,24 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             return (out.shape[1] - width) * len(ids_list)
         return run
 
-    def ours(ids_list: list[list[int]], mods: list[Any] | None) -> Callable[[], int]:
+    loop = engine.loop
+    gaps: dict[Callable[[], int], list[float]] = {}  # per raylens run: mean host gap before a launch, ms
+
+    def ours(ids_list: list[list[int]], mods: list[Any] | None, *, overlap: bool | None = None) -> Callable[[], int]:
         def run() -> int:
-            handles = [engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                                     mods=mods) for ids in ids_list]
-            return sum(len(h.result().sequence_ids) for h in handles)
+            stats = loop.stats
+            before = (stats.launch_gaps, stats.launch_gap_s)
+            default = loop.defer_announcements
+            loop.defer_announcements = default if overlap is None else overlap
+            try:
+                handles = [engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                         mods=mods) for ids in ids_list]
+                produced = sum(len(h.result().sequence_ids) for h in handles)
+            finally:
+                loop.defer_announcements = default
+            count = stats.launch_gaps - before[0]
+            gaps.setdefault(run, []).append(1000.0 * (stats.launch_gap_s - before[1]) / count if count else 0.0)
+            return produced
         return run
 
     def capture(hidden: bool, attention: bool, fn: Callable[[], int]) -> Callable[[], int]:
@@ -135,6 +154,9 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         if device.type == "cuda":
             paths[f"hf generate, static cache, batch of {n}"] = hf_batch(ids_list, static=True)
         paths[f"raylens, {n} concurrent (default capture)"] = ours(ids_list, None)
+        overlap = loop.defer_announcements  # the device's default: on with CUDA, off on a CPU
+        paths[f"raylens, {n} concurrent, {'no announcement overlap' if overlap else 'announcements overlapped'}"] = \
+            ours(ids_list, None, overlap=not overlap)
         paths[f"raylens, {n} concurrent + logits mod each"] = ours(ids_list, [logits_mod])
     runs: dict[str, list[float]] = {name: [] for name in paths}
     for name, fn in paths.items():  # warm-up (and, for static caches, compilation) outside the timing
@@ -157,11 +179,12 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     graph_stats = dict(getattr(backend, "graph_stats", {}))
     rows = []
     for name, value in medians.items():
+        gap = gaps.get(paths[name])
         n = 1 if "1 request" in name else int(name.split("of ")[-1].split()[0]) if "batch of" in name \
             else int(name.split(", ")[1].split()[0])
         reference = medians["hf generate, 1 request"] if n == 1 else medians[f"hf generate, padded batch of {n}"]
         rows.append({"path": name, "concurrency": n, "tokens_per_s": value, "vs_hf_padded": value / reference,
-                     "runs": runs[name]})
+                     "runs": runs[name], "launch_gap_ms": statistics.median(gap) if gap else None})
     return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
             "new_tokens": new_tokens, "repeats": repeats, "rows": rows, "graph_stats": graph_stats,
             "machine": _machine()}
@@ -184,7 +207,9 @@ def format_concurrency(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']} on {report['device']} ({report['dtype']}), {report['new_tokens']} new tokens "
              f"per request, greedy, median of {report['repeats']}; {report.get('machine')}; "
              f"decode {report.get('graph_stats')}", "",
-             "| path | tokens/s | vs hf generate (same N) |", "|---|---:|---:|"]
+             "| path | tokens/s | vs hf generate (same N) | host gap before a launch (ms) |", "|---|---:|---:|---:|"]
     for row in report["rows"]:
-        lines.append(f"| {row['path']} | {row['tokens_per_s']:.1f} | {row['vs_hf_padded']:.2f}x |")
+        gap = row.get("launch_gap_ms")
+        lines.append(f"| {row['path']} | {row['tokens_per_s']:.1f} | {row['vs_hf_padded']:.2f}x | "
+                     f"{'' if gap is None else f'{gap:.2f}'} |")
     return "\n".join(lines)

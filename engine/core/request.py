@@ -123,13 +123,17 @@ class RequestState:
 
     def commit(self, tokens: Sequence[int], *, forced: bool, sample: Any = None, attention: Any = None,
                sae_features: Any = None) -> None:
+        self.append(tokens, sample)
+        if self.stream is not None:
+            self.stream.committed(tokens, forced, sample, attention, sae_features)
+
+    def append(self, tokens: Sequence[int], sample: Any = None) -> None:
+        """The tokens join the sequence, unannounced (the stream hears of them from ``commit``)."""
         self.generated.extend(tokens)
         self.step_committed.extend(tokens)
         if self.request.logprobs >= 0:
             first = sample.logprob if sample is not None else None
             self.logprobs.extend([first] + [None] * (len(tokens) - 1))
-        if self.stream is not None:
-            self.stream.committed(tokens, forced, sample, attention, sae_features)
 
     def erase(self, n: int) -> None:
         """Drop the newest ``n`` generated tokens: a position move. The last kept token is fed

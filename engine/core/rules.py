@@ -133,13 +133,18 @@ class Rules:
             state.sae_features = state.hidden_sink.on_forward(
                 state.request_id, state.step, ForwardRecord(start, tuple(fed), state.output.captured.hidden))
 
-    def dispatch(self, event: ModEvent) -> list[_Call]:
+    def record(self, event: ModEvent) -> int:
+        """The event joins the request's events and payload (no mod sees it); its payload index."""
         state = self.state
         state.events.append(event)
         if state.on_event is not None:
             state.on_event(event)
         top = state.output.top if isinstance(event, ForwardPass) and state.output is not None else None
-        index = state.payload.event(event, top)
+        return state.payload.event(event, top)
+
+    def dispatch(self, event: ModEvent) -> list[_Call]:
+        state = self.state
+        index = self.record(event)
         calls = state.manager.dispatch_traced(event)
         items = [_Call(c, i) for c, i in zip(calls, state.payload.calls(index, calls))]
         return items if self.check_fatal_calls(items) else []
@@ -443,6 +448,25 @@ class Rules:
             self.commit(self.state.take_queue(), forced=True, announce=True)
         elif sampled is not None:
             self.commit([sampled.token], forced=False, announce=True, sample=sampled, attention=attention)
+
+    def can_defer_announcements(self) -> bool:
+        """No mod can act on this step's Sampled/Added and announcing needs no device read, so the
+        step loop may announce them after the next forward is launched (see ``StepLoop``)."""
+        state = self.state
+        return not state.manager.mods and not state.request.attention_all_layers and state.sae_features is None
+
+    def take_sample(self, sampled: Any) -> None:
+        """A mod-free step's sample joins the sequence now; :meth:`announce_sample` tells of it later."""
+        self.state.append([sampled.token], sampled)
+
+    def announce_sample(self, step: int, sampled: Any) -> None:
+        """Sampled, the stream's token and Added of a step whose sample :meth:`take_sample` took —
+        in the order, and with the records, a dispatch with no mods gives."""
+        state = self.state
+        self.record(Sampled(state.request_id, step, sampled.token))
+        if state.stream is not None:
+            state.stream.committed([sampled.token], False, sampled, None, None)
+        self.record(Added(state.request_id, step, [sampled.token], False))
 
     def end_step(self, max_sequence: int) -> None:
         state, request = self.state, self.state.request

@@ -10,6 +10,15 @@
            → per request: Sampled → its mods → add → Added → its mods → stop checks
            → finished requests leave; their slots go to the next waiting ones
 
+On a GPU the device idles from the sampled ids' host read until the next forward is launched, so
+that gap holds only what the next forward depends on. A request with no mods (and nothing to read
+from the device for its announcements) takes its sample and runs its stop checks at once; its
+Sampled, stream token and Added are announced right after the next forward is launched — before
+that step's ForwardPass, so events, payload records and the stream keep their order. A request
+that finishes on the step, or whose mods could act on Sampled/Added, is announced in place. On a
+CPU the forward runs in the loop's thread, so there is nothing to overlap and every step is
+announced in place.
+
 Each request owns its mods, forced queue, generator, payload, capture plan and stream
 (:class:`~engine.core.request.RequestState`); the batch owns only tensors. A request's mods see
 only its own row. A fault in one request (a mod's bad action, an input that cannot fit, a failed
@@ -62,6 +71,14 @@ class LoopStats:
     forwards: int = 0
     max_active: int = 0
     waits_for_room: int = 0  # submits that waited for a free place (back-pressure)
+    deferred_announcements: int = 0  # mod-free steps announced after the next forward's launch
+    # host time from a step's sampled ids to the next forward's launch (the device idles then)
+    launch_gaps: int = 0
+    launch_gap_s: float = 0.0
+
+    @property
+    def mean_launch_gap_ms(self) -> float:
+        return 1000.0 * self.launch_gap_s / self.launch_gaps if self.launch_gaps else 0.0
 
 
 class StepLoop:
@@ -78,6 +95,13 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._finisher = ThreadPoolExecutor(max_workers=finisher_threads, thread_name_prefix="raylens-finish")
         self.stats = LoopStats()
+        # mod-free steps whose Sampled/stream/Added wait for the next launch: (entry, step, sample)
+        self._deferred: list[tuple[Entry, int, SampleResult]] = []
+        self._sampled_at: float | None = None
+        # only a device that runs the forward asynchronously has anything to overlap; on a CPU the
+        # forward runs in this thread, so deferring would only hold each streamed token back a step
+        device = getattr(backend, "device", None)
+        self.defer_announcements = getattr(device, "type", None) == "cuda"
 
     @classmethod
     def for_backend(cls, backend: Backend) -> "StepLoop":
@@ -138,6 +162,7 @@ class StepLoop:
         while True:
             with self._cond:
                 while not self._active and not self._waiting and not self._closing:
+                    self._sampled_at = None  # idle time is no launch gap
                     self._cond.wait()
                 if self._closing and not self._active:
                     return
@@ -150,6 +175,7 @@ class StepLoop:
                 self._step(new)
             except Exception as err:  # a bug in the loop itself: fail what it held, keep serving
                 log.exception("step failed; ending the requests it held")
+                self._announce_deferred()
                 for entry in self._active + [e for e in new if e not in self._active]:
                     entry.state.fail(f"internal error in the step loop: {type(err).__name__}: {err}")
                 self._retire()
@@ -172,6 +198,7 @@ class StepLoop:
                 entry.state.finish = FinishReason.CANCELLED
         running = [e for e in self._active if e.state.finish is None]
         self._forward(running)
+        self._announce_deferred()  # when no forward ran
         for entry in running:
             if not entry.state.prefilled and entry.state.output is not None and entry.state.finish is None:
                 entry.state.prefilled = True
@@ -185,6 +212,7 @@ class StepLoop:
                 plans[id(entry)] = plan
         to_sample = [e for e in stepping if id(e) in plans and e.rules.sampling_needed(plans[id(e)])]
         samples = self._sample(to_sample, plans)
+        self._sampled_at = time.perf_counter() if samples else None
         for entry in stepping:
             if id(entry) in plans:
                 self._guard(entry, lambda e=entry: self._finish_step(e, plans[id(e)], samples.get(id(e))))
@@ -216,8 +244,15 @@ class StepLoop:
         if not rows:
             return
         started = time.perf_counter()
+        if self._sampled_at is not None:
+            self.stats.launch_gaps += 1
+            self.stats.launch_gap_s += started - self._sampled_at
+            self._sampled_at = None
         outputs = self._forward_isolated(rows)
         elapsed_ms = (time.perf_counter() - started) * 1000.0
+        # the forward is launched (on a GPU it runs now): announce the last step's mod-free samples
+        # while it does — before the outputs below replace each request's newest forward
+        self._announce_deferred()
         self.stats.forwards += 1
         for entry, row, out in zip(owners, rows, outputs):
             state = entry.state
@@ -273,6 +308,16 @@ class StepLoop:
 
     def _finish_step(self, entry: Entry, plan: StepPlan, sampled: SampleResult | None) -> None:
         state, rules = entry.state, entry.rules
+        if sampled is not None and state.finish is None and self.defer_announcements \
+                and rules.can_defer_announcements():
+            step = state.step
+            rules.take_sample(sampled)
+            rules.end_step(self.backend.max_sequence)
+            if state.finish is None:
+                self._deferred.append((entry, step, sampled))
+            else:  # it leaves the batch now: nothing to overlap
+                rules.announce_sample(step, sampled)
+            return
         attention = None
         if sampled is not None:
             if state.finish is not None:
@@ -283,6 +328,12 @@ class StepLoop:
         if state.finish is None:
             rules.add_step_tokens(plan, sampled, attention)
         rules.end_step(self.backend.max_sequence)
+
+    def _announce_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for entry, step, sampled in deferred:
+            self._guard(entry, lambda e=entry, s=step, t=sampled: e.rules.announce_sample(s, t))
+        self.stats.deferred_announcements += len(deferred)
 
     def _retire(self) -> None:
         """Finished requests leave the batch; their results are built off the loop thread."""

@@ -1,0 +1,40 @@
+"""The benchmark commands run end to end on the embedded model (tiny sizes: these check that the
+rows are there and the outputs compared, never the timings)."""
+
+from __future__ import annotations
+
+from tests.helpers import build_config
+
+
+def test_decode_modes_bench_reports_every_mode_and_compares_their_tokens():
+    from pipelines.bench_decode_modes import format_decode_modes, run_decode_modes_bench
+
+    report = run_decode_modes_bench(build_config(max_sequence=128), modes=("off", "static"), concurrency=2,
+                                    new_tokens=3, repeats=1)
+    assert [row["mode"] for row in report["rows"]] == ["off", "static"]
+    for row in report["rows"]:
+        assert row["same_tokens_as_off"] is True
+        assert row["tokens_per_s_1"] > 0 and row["tokens_per_s_2"] > 0
+    assert report["rows"][1]["decode_stats"]["static_steps"] > 0  # the static mode really ran static steps
+    table = format_decode_modes(report)
+    assert "| `static` |" in table and "same tokens as off" in table
+
+
+def test_decode_modes_bench_refuses_two_concurrency_values_with_a_usage_error(capsys):
+    from pipelines.cli import EXIT_USAGE, main
+
+    assert main(["bench", "--decode-modes", "--concurrency", "2", "--concurrency", "4"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--decode-modes takes at most one --concurrency N" in err and "Traceback" not in err
+
+
+def test_concurrency_bench_has_the_overlap_row_and_the_host_gap_of_each_raylens_row(engine):
+    from pipelines.bench_batching import format_concurrency, run_concurrency_bench
+
+    report = run_concurrency_bench(engine, concurrency=[2], new_tokens=3, repeats=1)
+    paths = {row["path"]: row for row in report["rows"]}
+    assert "raylens, 2 concurrent, announcements overlapped" in paths  # the CPU default is in place
+    assert paths["raylens, 2 concurrent (default capture)"]["launch_gap_ms"] > 0
+    assert paths["hf generate, padded batch of 2"]["launch_gap_ms"] is None
+    assert engine.loop.defer_announcements is False, "the bench left the loop's switch changed"
+    assert "host gap before a launch" in format_concurrency(report)
