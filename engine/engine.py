@@ -25,7 +25,7 @@ from engine.core.result import FinishReason, GenerationResult
 from engine.core.rules import Rules
 from engine.core.step_loop import Entry, StepLoop
 from engine.core.stream import RequestHandle, StreamEvent
-from engine.errors import ConfigError, ContextOverflowError, InvalidRequestError, TokenOutOfVocabularyError
+from engine.errors import ConfigError, ContextOverflowError, InvalidRequestError, check_request_token_ids
 from engine.model import Backend, create_backend
 from engine.model.capture import CapturePlan, event_plan
 from engine.model.hook_names import resid_post
@@ -40,7 +40,6 @@ from mods import conversation
 from mods.legacy_names import install_legacy_names
 from mods.loading import ModSpec, resolve_mods
 from mods.manager import ModManager, mod_name
-from mods.validation import InvalidActionValue, check_token_ids
 from mods.types import ModEvent
 
 __all__ = ["Engine", "load_mods"]
@@ -204,12 +203,10 @@ class Engine:
             raise InvalidRequestError(f"give exactly one of prompt, messages, input_ids; got {given or 'none'}",
                                       parameter="prompt")
         if input_ids is not None:
-            if isinstance(input_ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in input_ids):
-                raise InvalidRequestError("`input_ids` must be a list of ints", parameter="input_ids")
-            if not input_ids:
+            ids = self._check_ids(input_ids, "input_ids")
+            if not ids:
                 raise InvalidRequestError("`input_ids` must not be empty", parameter="input_ids", value=[])
-            return [int(t) for t in input_ids]
+            return ids
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise InvalidRequestError("`prompt` must be a non-empty string", parameter="prompt", value=prompt)
@@ -234,15 +231,7 @@ class Engine:
             raise InvalidRequestError(str(err), parameter=err.parameter, value=err.value) from None
 
     def _check_ids(self, ids: Any, what: str) -> list[int]:
-        """``ids`` as ints in the vocabulary (the same rule mods' token ids follow); a float, a
-        string or an id out of range is the caller's typed error, not a traceback."""
-        vocab = self.backend.info.vocab_size
-        try:
-            return check_token_ids(ids, vocab, field=what)
-        except InvalidActionValue as err:
-            out_of_range = isinstance(err.value, int) and not isinstance(err.value, bool)
-            kind = TokenOutOfVocabularyError if out_of_range else InvalidRequestError
-            raise kind(str(err), parameter=err.parameter, value=err.value) from None
+        return check_request_token_ids(ids, self.backend.info.vocab_size, what)
 
     def _claim(self, request_id: str) -> None:
         with self._lock:

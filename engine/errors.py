@@ -23,6 +23,7 @@ __all__ = [
     "ActorStartError",
     "ClusterUnreachableError",
     "ActorConfigConflictError",
+    "check_request_token_ids",
 ]
 
 
@@ -63,6 +64,21 @@ class TokenOutOfVocabularyError(InvalidRequestError):
 
 class ContextOverflowError(InvalidRequestError):
     """The prompt does not fit the model's context window."""
+
+
+def check_request_token_ids(ids: Any, vocab: int, parameter: str) -> list[int]:
+    """``ids`` as ints in ``[0, vocab)`` by the one rule mods' token ids follow too; a request's
+    bad id is the caller's typed error naming its position: an id out of range a
+    :class:`TokenOutOfVocabularyError`, anything that is not an int id (a float, a string, a bool)
+    an :class:`InvalidRequestError`."""
+    from mods.validation import InvalidActionValue, check_token_ids
+
+    try:
+        return check_token_ids(ids, vocab, field=parameter)
+    except InvalidActionValue as err:
+        out_of_range = isinstance(err.value, int) and not isinstance(err.value, bool)
+        kind = TokenOutOfVocabularyError if out_of_range else InvalidRequestError
+        raise kind(str(err), parameter=err.parameter, value=err.value) from None
 
 
 class IngestError(RaylensError):

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from engine.errors import ContextOverflowError, InvalidRequestError, TokenOutOfVocabularyError
+from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
 from engine.model.capture import attention_pattern
 from engine.model.hook_names import HookName, expand_hook_names, parse_hook_name
 
@@ -226,16 +226,9 @@ def hooks(model: Any, names: Sequence[HookName]) -> Iterator[Recording]:
 
 
 def _check_ids(model: Any, input_ids: Sequence[int]) -> list[int]:
-    if isinstance(input_ids, (str, bytes)) or not all(isinstance(t, int) for t in input_ids):
-        raise InvalidRequestError("`input_ids` must be a list of ints", parameter="input_ids")
-    ids = [int(t) for t in input_ids]
+    ids = check_request_token_ids(input_ids, int(model.get_input_embeddings().num_embeddings), "input_ids")
     if not ids:
         raise InvalidRequestError("`input_ids` must hold at least one token, got []", parameter="input_ids", value=[])
-    vocab = int(model.get_input_embeddings().num_embeddings)
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise TokenOutOfVocabularyError(f"`input_ids` must hold token ids in [0, {vocab}), got {bad[:5]}",
-                                        parameter="input_ids", value=bad[:5])
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 2**31 - 1)
     if len(ids) > limit:
         raise ContextOverflowError(f"`input_ids` must fit the model's context of {limit} tokens, got {len(ids)}",

@@ -6,7 +6,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .errors import ApiError, ErrorCode
+from engine.errors import RaylensError, check_request_token_ids
+
+from .errors import ApiError, ErrorCode, api_error_from
 from .settings import ServeSettings
 
 __all__ = ["Service", "ModRegistry"]
@@ -91,11 +93,11 @@ class Service:
         return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
     def check_token_ids(self, ids: list[int], parameter: str) -> None:
-        vocab = self.info.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(ErrorCode.INVALID_TOKEN, f"`{parameter}` must hold token ids in [0, {vocab}), got "
-                                                    f"{bad[:5]} (vocab_size={vocab}).", parameter)
+        """The engine's rule for a request's token ids, as the API's coded error (INVALID_TOKEN)."""
+        try:
+            check_request_token_ids(ids, self.info.vocab_size, parameter)
+        except RaylensError as err:
+            raise api_error_from(err) from None
 
     def mod(self, name: str) -> Any:
         """A registered mod as the engine takes it: the loaded callable for an engine in this

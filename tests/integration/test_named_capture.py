@@ -241,3 +241,20 @@ def test_engine_capture_refuses_bad_names_before_running(engine):
         engine.capture(prompt=PROMPT, names=[f"blocks.{engine.backend.info.num_layers}.hook_resid_post"])
     with pytest.raises(InvalidRequestError, match="exactly one of prompt"):
         engine.capture(names=["hook_embed"])
+
+
+@pytest.mark.parametrize("bad, kind, where", [
+    ([1, 2.0], InvalidRequestError, r"`input_ids\[1\]` must be an int token id"),
+    ([1, "2"], InvalidRequestError, r"`input_ids\[1\]` must be an int token id"),
+    ([True], InvalidRequestError, r"`input_ids\[0\]` must be an int token id"),
+    ([0, 10**9], TokenOutOfVocabularyError, r"`input_ids\[1\]` must be a token id in \[0, "),
+])
+def test_every_entry_point_checks_token_ids_by_one_rule(engine, model, bad, kind, where):
+    """Generation, the engine's and the model-level named capture refuse a bad id alike: the same
+    typed error naming the same position (a float is never truncated into an id)."""
+    with pytest.raises(kind, match=where):
+        engine.submit(input_ids=bad, max_tokens=2)
+    with pytest.raises(kind, match=where):
+        engine.capture(input_ids=bad, names=["hook_embed"])
+    with pytest.raises(kind, match=where):
+        capture(model, bad, ["hook_embed"])
