@@ -27,6 +27,7 @@ recorded, with ``details.applied`` and, when it was not applied, ``details.note`
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import weakref
@@ -66,7 +67,20 @@ MOD_LOG_ENTRY_OVERHEAD = 128
 
 
 def iso_time(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, timezone.utc).isoformat().replace("+00:00", "Z")
+    """``datetime.fromtimestamp(epoch, utc).isoformat()`` with ``Z`` for the offset, to the same
+    microsecond (rounded half to even, as ``datetime`` does). A payload holds one per event, so the
+    date part is formatted once per second, not per record."""
+    second = math.floor(epoch)
+    micro = round((epoch - second) * 1e6)
+    if micro >= 1_000_000:
+        second, micro = second + 1, micro - 1_000_000
+    base = _iso_second(second)
+    return f"{base}.{micro:06d}Z" if micro else f"{base}Z"
+
+
+@functools.lru_cache(maxsize=1024)
+def _iso_second(second: int) -> str:
+    return datetime.fromtimestamp(second, timezone.utc).isoformat().removesuffix("+00:00")
 
 
 @dataclass
