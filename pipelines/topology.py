@@ -85,12 +85,18 @@ def actor_keys(config: RaylensConfig) -> dict[str, str]:
     sae = _digest(dataclasses.asdict(config.sae), config.backend.model_id, config.backend.model_cache_dir, store,
                   r.call_timeout_s, r.sae_worker_num_cpus, r.sae_worker_num_gpus, r.sae_worker_resource)
     shaping = {k: v for k, v in dataclasses.asdict(r).items() if k not in _NOT_SHAPING}
-    generator = _digest(config.to_dict() | {"ray": shaping}, store, ingest, sae if config.sae.enabled else None)
+    generator = _digest(config.to_dict() | {"ray": shaping}, store, ingest, sae if runs_sae_workers(config) else None)
     return {STORE: store, INGEST: ingest, SAE_WORKER: sae, GENERATOR: generator}
 
 
 _NOT_SHAPING = frozenset({"namespace", "address", "dashboard_url", "actor_start_timeout_s", "connect_timeout_s",
                           "generators"})
+
+
+def runs_sae_workers(config: RaylensConfig) -> bool:
+    """SAE workers exist for nearline encoding only: with ``sae.mode: inline`` the generator
+    encodes every step itself, and idle workers would only hold CPUs (or GPU shares)."""
+    return config.sae.enabled and config.sae.mode == "nearline"
 
 
 def actor_roles(config: RaylensConfig) -> dict[str, str]:
@@ -101,7 +107,7 @@ def actor_roles(config: RaylensConfig) -> dict[str, str]:
     roles = {STORE: f"{STORE}-{keys[STORE]}", INGEST: f"{INGEST}-{keys[INGEST]}"}
     for i in range(config.ray.generators):
         roles[GENERATOR if i == 0 else f"{GENERATOR}-{i}"] = generator_name(config, i)
-    if config.sae.enabled:
+    if runs_sae_workers(config):
         for i in range(config.ray.sae_workers):
             roles[f"{SAE_WORKER}-{i}"] = f"{SAE_WORKER}-{keys[SAE_WORKER]}-{i}"
     return roles
@@ -145,7 +151,7 @@ def actor_specs(config: RaylensConfig) -> list[ActorSpec]:
 
     roles = actor_roles(config)
     specs = [spec(STORE, "store", r.store_num_cpus), spec(INGEST, "ingest", r.ingest_num_cpus)]
-    if config.sae.enabled:
+    if runs_sae_workers(config):
         specs += [spec(f"{SAE_WORKER}-{i}", "sae_worker", r.sae_worker_num_cpus, r.sae_worker_num_gpus,
                        r.sae_worker_resource) for i in range(r.sae_workers)]
     specs += [spec(role, "generator", r.generator_num_cpus, r.generator_num_gpus)
@@ -355,7 +361,7 @@ def build_topology(config: RaylensConfig) -> Topology:
     handles[INGEST] = create(IngestActor, INGEST, {"max_restarts": -1}, dataclasses.asdict(config.ingest),
                              r.ingest_batch_size, r.ingest_flush_interval_s)
     workers: list[Any] = []
-    if config.sae.enabled:
+    if runs_sae_workers(config):
         info = _model_dims(config)
         for i in range(r.sae_workers):
             role = f"{SAE_WORKER}-{i}"

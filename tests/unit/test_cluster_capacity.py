@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import load_config
 from engine.errors import ClusterCapacityError
-from pipelines.topology import actor_specs, check_capacity
+from pipelines.topology import actor_keys, actor_roles, actor_specs, check_capacity
 from tests.helpers import REPO, build_config
 
 
@@ -32,6 +32,17 @@ def test_the_local_config_fits_ray_start_head_on_a_two_core_machine():
 def test_sae_workers_ask_for_nothing_when_sae_is_off():
     names = {s.name for s in actor_specs(with_sae(build_config(), enabled=False))}
     assert not any(n.startswith("raylens-sae") for n in names)
+
+
+def test_sae_workers_ask_for_nothing_when_the_generator_encodes_inline():
+    """With ``sae.mode: inline`` the generator encodes every step itself: no worker is started
+    (idle workers would hold CPUs or GPU shares), and nearline still gets its workers."""
+    config = with_sae(build_config())
+    inline = dataclasses.replace(config, sae=dataclasses.replace(config.sae, mode="inline"))
+    assert any(s.name.startswith("raylens-sae") for s in actor_specs(config))
+    assert not any(s.name.startswith("raylens-sae") for s in actor_specs(inline))
+    assert not any(role.startswith("raylens-sae") for role in actor_roles(inline))
+    assert actor_keys(inline)["raylens-generator"] != actor_keys(config)["raylens-generator"]
 
 
 def test_asking_for_more_cpus_than_the_cluster_has_names_the_settings_to_lower():
