@@ -143,7 +143,7 @@ class ScriptedBackend:
             seq["prompt_len"] = len(tokens)
 
     def forward(self, rows: Sequence[Any]) -> list[Any]:
-        from engine.model.backend import RowOutput
+        from engine.model.backend import RowOutput, top_logprobs
         from engine.model.capture import RowCapture
 
         outputs = []
@@ -151,7 +151,8 @@ class ScriptedBackend:
             seq = self.sequences[row.request_id]
             self._feed(seq, row.start, row.tokens)
             self.forward_count += 1
-            outputs.append(RowOutput(self._logits(seq), RowCapture()))
+            logits = self._logits(seq)
+            outputs.append(RowOutput(logits, RowCapture(), top_logprobs(logits)))  # as a real backend does
         return outputs
 
     def shutdown(self) -> None:

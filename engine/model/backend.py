@@ -68,7 +68,7 @@ class ForwardRow:
 class RowOutput:
     logits: Any  # (V,) float32, on device
     captured: RowCapture
-    top: tuple[Any, Any] | None = None  # the logits' FORWARD_TOP_K log-probs (k,) and ids (k,), on device
+    top: tuple[Any, Any]  # the logits' FORWARD_TOP_K log-probs (k,) and ids (k,), on device (top_logprobs)
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ class PayloadBuilder:
 
     def event(self, event: ModEvent, top: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """Record ``event``; for a ForwardPass, ``top`` is its logits' top log-probs and ids as the
-        backend computed them for the whole batch (else they are computed here, per request)."""
+        backend computed them for the whole batch (the record's ``top_tokens``; none without)."""
         index = len(self._events)
         record: dict[str, Any] = {
             "event_type": type(event).__name__,
@@ -221,11 +221,6 @@ class PayloadBuilder:
         self._texts.add(record, "input_text", fed, _INPUT_TEXT_CHARS)
         if top is not None:  # stays on device until build: no per-step sync
             self._top.append((record, top[0][:TOP_TOKENS], top[1][:TOP_TOKENS]))
-            return
-        logits = getattr(event.logits, "tensor", None)
-        if isinstance(logits, torch.Tensor):
-            values, indices = torch.log_softmax(logits.reshape(-1).float(), dim=-1).topk(TOP_TOKENS)
-            self._top.append((record, values, indices))
 
     def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]:
         indices: list[int | None] = []
