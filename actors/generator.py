@@ -4,8 +4,8 @@ It holds an in-process :class:`engine.Engine` (whose own store, SAE and ingest a
 the Ray wiring: hidden-state blocks go to SAE workers through :class:`RaySAESink` (or, with
 ``sae.mode: inline``, the actor encodes each step itself and sends the rows to the StoreActor, so
 events and streams carry features); each request's row goes to the StoreActor and its payload to
-the IngestActor, both without waiting. It is a threaded actor: each concurrent call waits in its own thread while the engine's one step loop runs
-every request in flight as one batch.
+the IngestActor, both without waiting. It is a threaded actor: each concurrent call waits in its
+own thread while the engine's one step loop runs every request in flight as one batch.
 
 Two ways in, one batch: ``generate(request)`` (Ray Jobs: one whole request per call) and
 ``stream(request)`` (the Serve replica: a Ray streaming generator that hands back each token as
@@ -28,7 +28,6 @@ from engine import Engine
 from engine.config import RaylensConfig
 from engine.core.result import GenerationResult
 from engine.core.stream import RequestHandle
-from engine.services.sae import SAEEncoder
 from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
 
 from .sae_handoff import RaySAESink
@@ -110,11 +109,6 @@ class GeneratorActor:
         """``sae.mode: inline``: this actor encodes every step itself, before the step's events, so
         mods see ``event.sae_features``, Steer works and streams (the Serve replica's sockets)
         carry each token's features; the rows still go to the single writer, the StoreActor."""
-        sae, info = self.config.sae, self.engine.backend.info
-        encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
-                                  model_layers=info.num_layers,
-                                  device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
-
         def write(rows: Any, batch_id: str, request_id: str) -> int:
             ref = self.store.append.remote(rows, batch_id, request_id)
             with self._lock:
@@ -126,9 +120,7 @@ class GeneratorActor:
             with self._lock:
                 self._pending.append(ref)
 
-        return ActivationRecorder(encoder, write, missing, mode="inline", block_steps=sae.block_steps,
-                                  max_pending_blocks=sae.max_pending_blocks, model_id=info.model_id,
-                                  skip_first_position=sae.skip_first_position)
+        return self.engine.sae_recorder(write, missing, mode="inline")
 
     @ray.method(concurrency_group=CONTROL)
     def version(self) -> str:
@@ -143,8 +135,7 @@ class GeneratorActor:
         """What a Serve replica needs besides the tokenizer: the model's dimensions, and whether
         stream events carry SAE features (only when this actor encodes inline, ``sae.mode:
         inline``; nearline, its SAE runs on the SAE workers)."""
-        recorder = self.engine.recorder
-        return {"model": self.model_info(), "sae_features_inline": recorder is not None and recorder.mode == "inline"}
+        return {"model": self.model_info(), "sae_features_inline": self.engine.sae_features_inline}
 
     @ray.method(concurrency_group=CONTROL)
     def encode(self, prompt: str | None = None, **kwargs: Any) -> list[int]:

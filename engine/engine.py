@@ -129,12 +129,9 @@ class Engine:
                                        attention=attention)
 
     def _build_recorder(self) -> ActivationRecorder:
-        """Load the SAE and route its encoded rows to the store."""
-        sae, info, store = self.config.sae, self.backend.info, self.store
+        """Load the SAE and route its encoded rows to this engine's store."""
+        store = self.store
         assert store is not None  # RaylensConfig refuses sae.enabled without activations.enabled
-        encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
-                                  model_layers=info.num_layers,
-                                  device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
 
         def write(rows: Any, batch_id: str, request_id: str) -> int:
             return store.append_activations(rows, batch_id=batch_id, request_id=request_id)
@@ -142,7 +139,18 @@ class Engine:
         def missing(block: HiddenBlock, reason: str) -> None:
             store.record_missing_block(**block.meta().ledger(), reason=reason)
 
-        return ActivationRecorder(encoder, write, missing, mode=sae.mode, block_steps=sae.block_steps,
+        return self.sae_recorder(write, missing)
+
+    def sae_recorder(self, write: Callable[[Any, str, str], int], missing: Callable[[HiddenBlock, str], None], *,
+                     mode: str | None = None) -> ActivationRecorder:
+        """The config's SAE (``sae`` settings, whether or not ``sae.enabled``) loaded for this
+        model, encoding in ``mode`` (default ``sae.mode``); ``write``/``missing`` decide where its
+        rows and failed blocks go: this engine's store, or the StoreActor of a Ray generator."""
+        sae, info = self.config.sae, self.backend.info
+        encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
+                                  model_layers=info.num_layers,
+                                  device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
+        return ActivationRecorder(encoder, write, missing, mode=mode or sae.mode, block_steps=sae.block_steps,
                                   max_pending_blocks=sae.max_pending_blocks, model_id=info.model_id,
                                   skip_first_position=sae.skip_first_position)
 
@@ -155,6 +163,12 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer()
+
+    @property
+    def sae_features_inline(self) -> bool:
+        """Whether events and streamed tokens carry SAE features: the SAE encodes inline, so each
+        step's top-k features exist before its events (nearline, they reach the store only)."""
+        return self.recorder is not None and self.recorder.mode == "inline"
 
     def flush(self) -> None:
         """Wait until every hidden-state block handed to the nearline encoder is stored."""

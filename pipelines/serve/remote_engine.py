@@ -135,7 +135,6 @@ class RemoteEngine:
     """The routes' engine over GeneratorActor handles (several: requests go round-robin)."""
 
     mods_as_payloads = True  # see Service.mod: registered mods are sent as payload dicts
-    recorder = None  # no SAE encoder in this process
 
     def __init__(self, generators: Sequence[Any], config: RaylensConfig, tokenizer: Any, serve_info: Mapping[str, Any],
                  *, model_config: Any = None, accept_timeout_s: float | None = None) -> None:

@@ -108,11 +108,6 @@ class Service:
         return self.mods.get(name)
 
     def sae_features_available(self) -> bool:
-        """Whether token events carry SAE features: the engine encodes inline (``sae.enabled`` with
-        ``sae.mode: inline``), so each step's top-k features exist before its token is streamed.
-        An engine elsewhere (the GeneratorActor) says so itself with ``sae_features_inline``."""
-        inline = getattr(self.engine, "sae_features_inline", None)
-        if inline is not None:
-            return bool(inline)
-        recorder = getattr(self.engine, "recorder", None)
-        return recorder is not None and recorder.mode == "inline"
+        """Whether token events carry SAE features: the engine (in this process, or the
+        GeneratorActor behind a RemoteEngine) encodes inline, ``sae.enabled`` with ``sae.mode: inline``."""
+        return bool(self.engine.sae_features_inline)

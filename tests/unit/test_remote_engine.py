@@ -139,11 +139,11 @@ def test_registered_mods_reach_an_actor_backed_engine_as_payloads():
     from pipelines.serve.settings import ServeSettings
 
     payload = {"language": "python", "source": "def mod(event, tokenizer):\n    return None\n", "entrypoint": "mod"}
-    local = Service(SimpleNamespace(), ServeSettings())
+    local = Service(SimpleNamespace(sae_features_inline=False), ServeSettings())
     remote = Service(SimpleNamespace(mods_as_payloads=True, sae_features_inline=False), ServeSettings())
     for service in (local, remote):
         service.mods.register("noop", payload)
     assert callable(local.mod("noop"))
     assert remote.mod("noop") == payload
     assert remote.sae_features_available() is False
-    assert local.sae_features_available() is False  # no recorder
+    assert local.sae_features_available() is False
