@@ -420,9 +420,7 @@ def run_cli(args: argparse.Namespace) -> int:
                                                            new_tokens=args.new_tokens, repeats=args.repeats,
                                                            progress=progress)}
             print(format_concurrency(report["concurrency"]))
-            if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+            _write_report(args.out, report)
             return 0
         report = run_bench(engine, new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
         if args.sae:
@@ -440,10 +438,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.ray:
         print()
         print(format_ray(report["ray"]))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
-        print(f"wrote {args.out}", file=sys.stderr)
+    _write_report(args.out, report)
     return 0
 
 
@@ -537,9 +532,7 @@ def format_internals(report: dict[str, Any]) -> str:
 def _internals_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], None]) -> int:
     report = {"internals": run_internals_bench(engine, repeats=args.repeats, progress=progress)}
     print(format_internals(report["internals"]))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    _write_report(args.out, report)
     return 0
 
 
@@ -640,10 +633,16 @@ def format_serve(report: dict[str, Any]) -> str:
 def _serve_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], None]) -> int:
     report = {"serve": run_serve_bench(engine, new_tokens=min(args.new_tokens, 64), progress=progress)}
     print(format_serve(report["serve"]))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    _write_report(args.out, report)
     return 0
+
+
+def _write_report(out: str | None, report: dict[str, Any]) -> None:
+    """``--out FILE``: the report as JSON."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"wrote {out}", file=sys.stderr)
 
 
 def _decode_modes_cli(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
@@ -659,10 +658,7 @@ def _decode_modes_cli(args: argparse.Namespace, progress: Callable[[str], None])
     report = run_decode_modes_bench(load_config(args.config), concurrency=counts[0], new_tokens=args.new_tokens,
                                     repeats=args.repeats, progress=progress)
     print(format_decode_modes(report))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
-        print(f"wrote {args.out}", file=sys.stderr)
+    _write_report(args.out, report)
     return 0
 
 

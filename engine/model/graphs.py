@@ -13,15 +13,16 @@ hidden states and attention patterns the graph writes out):
 * the batch's rows are the dense slots ``0 … n-1``; rows ``n … B-1`` of a bucket are padding whose
   keys/values go to a scratch slot no request owns (as do the warm-up and capture runs), so padding
   never touches a live request's cache;
-* outputs — logits ``(B, V)``, their top log-probs and ids ``(B, k)``, each captured layer's residual stream ``(B, d)``, each captured
-  layer's newest attention row ``(B, heads, L)`` — are static too: :meth:`StaticDecode.run`
+* outputs — logits ``(B, V)``, their top log-probs and ids ``(B, k)``, each captured layer's
+  residual stream ``(B, d)``, each captured layer's newest attention row ``(B, heads, L)`` — are
+  static too: :meth:`StaticDecode.run`
   copies them out before the next replay can overwrite them. A changed plan selects another graph;
   it never drops a capture.
 
 ``capture=False`` runs exactly the same static-buffer code eagerly (the CPU tests' path, and the
 fallback when capture is unavailable); prefill and multi-token forced chunks always run eagerly.
 ``compile=True`` runs that code through ``torch.compile`` (inductor, fixed shapes): on the embedded
-model on 2 CPU cores a step is ~1.1× faster once compiled, but each decode shape costs ~50 s of
+model on 2 CPU cores a step is ~1.15× faster once compiled, but each decode shape costs ~45 s of
 compiling, so eager stays the CPU default and compiling is for long CPU runs. A shape whose compile
 fails decodes eagerly, with identical outputs.
 """

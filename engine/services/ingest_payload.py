@@ -362,7 +362,7 @@ class PayloadBuilder:
                      for t, text in zip(distinct, _decode_all(self._tokenizer, [[t] for t in distinct]))}
             for (record, _, _), row_i, row_v in zip(self._top, rows_i, rows_v):
                 record["top_tokens"] = [
-                    {"token": t, "logprob": lp if math.isfinite(lp) else None, "token_str": texts[t],
+                    {"token": t, "logprob": finite(lp), "token_str": texts[t],
                      "prob": math.exp(lp) if lp > -700 else 0.0}
                     for t, lp in zip(row_i, row_v)]
             self._top = []

@@ -80,9 +80,9 @@ def test_overlapped_announcements_change_nothing_anyone_sees(engine):
     assert any(isinstance(e, Sampled) for e in b[0].events) and b[2].actions, "the mod never acted"
 
 
-def test_a_request_cancelled_while_its_announcement_waits_still_streams_its_token(engine):
-    """A cancel lands between a deferred step and its announcement: the token it took is still
-    announced (stream, Sampled, Added) before the request ends as cancelled."""
+def test_a_request_cancelled_mid_stream_with_the_overlap_on_announces_every_token_it_took(engine):
+    """A cancel can land between a deferred step and its announcement: every token the request
+    took is still announced (stream, Sampled, Added) before it ends as cancelled."""
     with _announcements(engine, overlap=True):
         handle = engine.submit(PROMPTS[0], max_tokens=64, temperature=0.0, ignore_eos=True)
         tokens = []
