@@ -26,6 +26,7 @@ import ray
 
 from engine import Engine
 from engine.config import RaylensConfig
+from engine.core.inputs import GenerationRequest
 from engine.core.result import GenerationResult
 from engine.core.stream import RequestHandle
 from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
@@ -35,8 +36,8 @@ from .versioning import code_version
 
 __all__ = ["GeneratorActor", "local_engine_config", "portable_error", "STREAM_STARTED", "STREAM_RESULT"]
 
-STREAM_STARTED = "started"  # the first item ``stream`` yields: {"started": request_id}
-STREAM_RESULT = "result"  # the last: {"result": the result's dict}; every item between is a stream event
+STREAM_STARTED = "started"  # the first item ``stream`` yields: {"started": EngineRequest}
+STREAM_RESULT = "result"  # the last: {"result": GenerationResult}; every item between is a stream event
 CONTROL = "control"  # concurrency group of the small calls that must not wait behind streams
 
 
@@ -48,6 +49,15 @@ def local_engine_config(config: RaylensConfig) -> RaylensConfig:
         sae=dataclasses.replace(config.sae, enabled=False),
         ingest=dataclasses.replace(config.ingest, url=None),
     )
+
+
+def _checked(request: Any) -> GenerationRequest:
+    """Only a :class:`GenerationRequest` crosses into the actor (the caller built and checked it)."""
+    if not isinstance(request, GenerationRequest):
+        raise TypeError(f"GeneratorActor takes an engine.core.inputs.GenerationRequest, got {type(request).__name__}")
+    if any(callable(m) for m in request.mods):
+        raise TypeError("mods sent to the GeneratorActor must be payload dicts or paths, not loaded callables")
+    return request
 
 
 def portable_error(err: BaseException) -> BaseException:
@@ -142,33 +152,35 @@ class GeneratorActor:
         """``Engine.encode`` (chat template and all), so a replica tokenizes exactly as requests are."""
         return self.engine.encode(prompt, **kwargs)
 
-    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One request (the keyword arguments of ``Engine.generate``) → the result's JSON-able dict."""
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """One request → its result, :meth:`~engine.core.result.GenerationResult.portable` (the
+        events and the payload stay here; the payload goes to the IngestActor)."""
         started = time.perf_counter()
         try:
-            result: GenerationResult = self.engine.generate(**request)
+            result: GenerationResult = self.engine.generate(_checked(request))
         except Exception as err:
             raise portable_error(err) from None
         return self._record(result, started)
 
     @ray.method(num_returns="streaming")
-    def stream(self, request: dict[str, Any]) -> Iterator[Any]:
-        """One request (the keyword arguments of ``Engine.submit``) as a Ray streaming generator:
-        ``{"started": request_id}`` once it is queued (bad input raises the engine's typed error
-        before that), then each :class:`~engine.core.stream.TokenEvent` / ``Erased`` as the step
-        loop commits it, then ``{"result": …}``: the result's dict plus ``prompt_ids``,
-        ``sequence_ids`` and ``token_logprobs``. Recorded like :meth:`generate` (store row, ingest
-        payload, counters). A caller that stops reading should :meth:`cancel` the request: Ray
-        does not interrupt a running method of a threaded actor."""
+    def stream(self, request: GenerationRequest) -> Iterator[Any]:
+        """One request as a Ray streaming generator: ``{"started": EngineRequest}`` (its
+        :meth:`~engine.core.request.EngineRequest.portable` form: ids, stop set, limits) once it is
+        queued (bad input raises the engine's typed error before that), then each
+        :class:`~engine.core.stream.TokenEvent` / ``Erased`` as the step loop commits it, then
+        ``{"result": GenerationResult}`` (portable, as :meth:`generate` returns it). Recorded
+        like :meth:`generate` (store row, ingest payload, counters). A caller that stops reading
+        should :meth:`cancel` the request: Ray does not interrupt a running method of a threaded
+        actor."""
         started = time.perf_counter()
         try:
-            handle = self.engine.submit(**request)
+            handle = self.engine.submit(_checked(request))
         except Exception as err:
             raise portable_error(err) from None
         with self._lock:
             self._streams[handle.request_id] = handle
         try:
-            yield {STREAM_STARTED: handle.request_id}
+            yield {STREAM_STARTED: handle.request.portable()}
             for event in handle:
                 yield event
             result: GenerationResult = handle.result()
@@ -181,10 +193,7 @@ class GeneratorActor:
         finally:
             with self._lock:
                 self._streams.pop(handle.request_id, None)
-        out = self._record(result, started)
-        out.update(prompt_ids=list(result.prompt_ids), sequence_ids=list(result.sequence_ids),
-                   token_logprobs=result.token_logprobs)
-        yield {STREAM_RESULT: out}
+        yield {STREAM_RESULT: self._record(result, started)}
 
     @ray.method(concurrency_group=CONTROL)
     def cancel(self, request_id: str) -> bool:
@@ -203,8 +212,9 @@ class GeneratorActor:
         except Exception:  # the request failed or never ended: nothing to record
             pass
 
-    def _record(self, result: GenerationResult, started: float) -> dict[str, Any]:
-        """Send the result's store row and ingest payload (without waiting), count it; its dict."""
+    def _record(self, result: GenerationResult, started: float) -> GenerationResult:
+        """Send the result's store row and ingest payload (without waiting), count it; its
+        portable form for the caller."""
         pending = []
         if self.config.activations.enabled:
             pending.append(self.store.record_request.remote(self.engine.request_record(result)))
@@ -214,9 +224,7 @@ class GeneratorActor:
             self.requests += 1
             self.tokens += len(result.sequence_ids)
             self.cancelled += str(result.finish_reason) == "cancelled"
-        out = result.to_dict()
-        out["metadata"]["actor_ms"] = round((time.perf_counter() - started) * 1000.0, 3)
-        return out
+        return result.portable(actor_ms=round((time.perf_counter() - started) * 1000.0, 3))
 
     def drain(self) -> dict[str, Any]:
         """Wait for every SAE block and store/ingest call this generator started; then report."""

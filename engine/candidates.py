@@ -14,11 +14,12 @@ the model's own log-softmax. Tokens a mod forced carry no sampling probability a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from engine.core.inputs import GenerationRequest
     from engine.engine import Engine
 
 __all__ = ["Candidate", "generate_candidates"]
@@ -34,18 +35,19 @@ class Candidate:
     finish_reason: str
 
 
-def generate_candidates(engine: "Engine", *, n: int, seed: int | None, **request: Any) -> list[Candidate]:
-    """``n`` completions of one request (``Engine.submit`` keyword arguments), sorted by
-    ``log_prob``, highest first (ties keep sampling order)."""
+def generate_candidates(engine: "Engine", request: "GenerationRequest", *, n: int,
+                        seed: int | None) -> list[Candidate]:
+    """``n`` completions of one request, sorted by ``log_prob``, highest first (ties keep
+    sampling order); candidate ``i`` is the request seeded ``seed + i``, id ``<request_id>-i``."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CANDIDATES:
         raise InvalidRequestError(f"`n` must be an integer in [1, {MAX_CANDIDATES}], got {n!r}", parameter="n",
                                   value=n)
-    if request.get("top_logprobs") not in (None, 0):
+    if request.top_logprobs not in (None, 0):
         raise InvalidRequestError("`top_logprobs` is not taken by candidates", parameter="top_logprobs")
-    request.pop("top_logprobs", None)
-    base = request.pop("request_id", None)
-    handles = [engine.submit(**request, seed=None if seed is None else seed + i, top_logprobs=0,
-                             request_id=None if base is None else f"{base}-{i}") for i in range(n)]
+    base = request.request_id
+    handles = [engine.submit(request.replace(seed=None if seed is None else seed + i, top_logprobs=0,
+                                             request_id=None if base is None else f"{base}-{i}"))
+               for i in range(n)]
     out = []
     for handle in handles:
         result = handle.result()
