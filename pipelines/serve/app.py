@@ -5,7 +5,7 @@ in-process :class:`engine.Engine` (tests, :mod:`pipelines.serve.local`) or, in t
 replica, a :class:`~pipelines.serve.remote_engine.RemoteEngine` over the shared GeneratorActor.
 Guards, outermost first:
 
-* API key — when set, every route except ``/healthz`` needs ``Authorization: Bearer <key>`` or
+* API key — when set, every route except ``/healthz`` and ``/health`` needs ``Authorization: Bearer <key>`` or
   ``X-API-Key: <key>``; browsers (the viewer page, WebSockets) may pass ``?api_key=<key>``.
 * WebSocket origin — a browser page from another site may not open the stream (it would use the
   model through the user's loopback server): an ``Origin`` whose host differs from ``Host`` is refused.
@@ -20,7 +20,9 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -32,7 +34,7 @@ from .settings import ServeSettings
 __all__ = ["build_app", "Guards"]
 
 STATIC = Path(__file__).with_name("static")
-_OPEN_PATHS = frozenset({"/healthz"})
+_OPEN_PATHS = frozenset({"/healthz", "/health"})
 
 
 def build_app(engine: Any, settings: ServeSettings | None = None) -> FastAPI:
@@ -46,6 +48,15 @@ def build_app(engine: Any, settings: ServeSettings | None = None) -> FastAPI:
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:
         return {"ok": True, "model": app.state.service.model_id}
+
+    @app.get("/health", tags=["health"])
+    def health() -> dict[str, Any]:
+        """What OpenAI-compatible servers answer and clients (guidellm) check before starting."""
+        return {"ok": True, "model": app.state.service.model_id}
+
+    @app.get("/version", tags=["health"])
+    def version() -> dict[str, Any]:
+        return {"version": _version()}
 
     @app.get("/", include_in_schema=False)
     def viewer() -> FileResponse:
@@ -61,12 +72,37 @@ def build_app(engine: Any, settings: ServeSettings | None = None) -> FastAPI:
     async def on_validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         return _error_response(request.url.path, validation_error(err.errors()))
 
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, err: HTTPException) -> Any:
+        # FastAPI answers a body it cannot read with a bare 400 ("There was an error parsing the
+        # body"): a body over the size limit (the guard's coded error is its cause), bytes that are
+        # not UTF-8, JSON nested past the parser's depth. Each becomes a coded error.
+        cause = err.__cause__ or err.__context__
+        while cause is not None and not isinstance(cause, ApiError):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, ApiError):
+            return _error_response(request.url.path, cause)
+        if err.status_code == 400:
+            return _error_response(request.url.path, ApiError(
+                ErrorCode.INVALID_REQUEST, "the request body must be a JSON document in UTF-8 (nested at most a "
+                                           "few hundred levels), got one that cannot be parsed.", "body"))
+        return await http_exception_handler(request, err)
+
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, err: Exception) -> JSONResponse:
         return _error_response(request.url.path, api_error_from(err))
 
     app.add_middleware(Guards, settings=settings)
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("raylens")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def _error_response(path: str, err: ApiError) -> JSONResponse:

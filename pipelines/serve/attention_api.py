@@ -108,22 +108,22 @@ class GenerateRequest(BaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=128)
     input_ids: list[int] = Field(min_length=1)
     # sampling values are checked by the engine's one request type, as from every other door
-    max_new_tokens: int | None = Field(None, description=">= 1 (and at most the server's serve.max_new_tokens)")
+    max_new_tokens: int | None = Field(None, strict=True, description=">= 1 (and at most the server's serve.max_new_tokens)")
     temperature: float | None = Field(None, le=100, description=">= 0; 0 is greedy")
     top_p: float | None = Field(None, description="in (0, 1]")
-    top_k: int | None = Field(None, description=">= 0; 0 disables top-k")
+    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
     repetition_penalty: float = Field(1.0, le=100, description="> 0; 1 is off")
     stop_tokens: list[int] = Field(default_factory=list)
     banned_tokens: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = Field(None, description="in [0, 2**64 - 1]")
+    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]")
     return_attention: bool = False
     attention_format: Literal["per_layer", "aggregated"] = "per_layer"
     aggregation_mode: Literal["mean", "max"] = "mean"
     attention_dtype: Literal["float32", "float16"] = "float32"
     attention_compression: Literal["none", "gzip"] = "none"
     binary: bool = Field(False, description="WebSocket only: attention bytes in a binary frame after each token message")
-    top_logprobs: int = Field(0, description="in [0, 20]")
+    top_logprobs: int = Field(0, strict=True, description="in [0, 20]")
     sae_features: bool = False
 
 

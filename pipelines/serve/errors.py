@@ -134,6 +134,12 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     import json
 
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+        position = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+        reason = str((first.get("ctx") or {}).get("error") or first.get("msg") or "a parse error")
+        return ApiError(ErrorCode.INVALID_REQUEST, f"the request body must be valid JSON, got {reason}"
+                                                   + (f" at character {position}" if position is not None else "")
+                                                   + ".", "body")
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
     shown = "nothing" if first.get("type") == "missing" else json.dumps(first.get("input"), default=str)[:80]
     reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")

@@ -66,18 +66,18 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     # Sampling values are checked by the engine's one request type (GenerationRequest), so every
     # door answers a bad value with the same error; the schema states only their types.
-    max_tokens: int | None = Field(None, description=">= 1 (and at most the server's serve.max_new_tokens)")
-    max_completion_tokens: int | None = Field(None, description="as max_tokens; takes precedence")
+    max_tokens: int | None = Field(None, strict=True, description=">= 1 (and at most the server's serve.max_new_tokens)")
+    max_completion_tokens: int | None = Field(None, strict=True, description="as max_tokens; takes precedence")
     temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
     top_p: float | None = Field(None, description="in (0, 1]")
-    top_k: int | None = Field(None, description=">= 0; 0 disables top-k")
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
-    stream: bool = False
+    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
+    n: int = Field(1, ge=1, le=1, strict=True, description="only 1 is supported")
+    stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, description="in [0, 2**64 - 1]")
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, description="in [0, 20]")
+    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]")
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, strict=True, description="in [0, 20]")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
