@@ -1,19 +1,21 @@
 """One taps table per loaded model: where a forward pass exposes each named internal.
 
 Names are the TransformerLens vocabulary of :mod:`engine.model.hook_names` (with llama.cpp's name
-for each tensor in its :class:`~engine.model.hook_names.HookSpec`). :meth:`Taps.build` walks a
-Llama-family transformers model once (``embed_tokens``, ``layers[L].{input_layernorm,
-self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.down_proj}``, ``norm``) and records, for
-every name, the :class:`Read` points it needs: a module, before (``pre``) or after (``post``) it
-runs, and which argument or output holds the tensor. Every consumer of internals that needs
-module hooks goes through the table — named capture, embeddings, SAE-training collection and
-steering (a *write* tap) — so a name is parsed once into a :class:`HookName` and mapped to a
-module once, at load time; nothing matches on name strings while a forward runs.
+for each tensor in its :class:`~engine.model.hook_names.HookSpec`). :func:`taps_of` walks a
+Llama-family transformers model once, when the backend loads it (``embed_tokens``,
+``layers[L].{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
+mlp.down_proj}``, ``norm``), and records, for every name, the :class:`Read` points it needs: a
+module, before (``pre``) or after (``post``) it runs, and which argument or output holds the
+tensor. Every consumer of internals that needs module hooks goes through the table — named
+capture, embeddings, SAE-training collection and steering (a *write* tap) — so a name is parsed
+once into a :class:`HookName` and mapped to a module once, at load time; nothing matches on name
+strings while a forward runs.
 
 Step capture (a generation step's ``hook_resid_post`` and ``attn.hook_pattern``) registers no
 module hook: it rides on transformers' ``output_hidden_states`` and on the attention function
 (:mod:`engine.model.capture`), which stay valid inside a captured CUDA graph or a compiled decode
-step and cannot see a concurrent forward. :data:`STEP_READS` says so in the table's terms.
+step and cannot see a concurrent forward. A step's names are parsed once too, into the
+:class:`~engine.model.capture.CapturePlan` a request carries.
 
 Hooks are global state on a shared model (TransformerLens' ``HookedRootModule`` warns the same),
 so every use is scoped: :meth:`Taps.record` and :meth:`Taps.write` register their hooks in a
@@ -43,11 +45,7 @@ from engine.errors import InvalidRequestError
 from engine.model.capture import attention_pattern
 from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, HookName, HookSpec, parse_hook_name
 
-__all__ = ["Read", "ReadKey", "Tap", "Taps", "Recording", "taps_of", "STEP_READS"]
-
-# How a step forward serves its two names without a module hook (see the module docstring).
-STEP_READS: dict[str, str] = {"hook_resid_post": "transformers output_hidden_states[layer + 1]",
-                              "attn.hook_pattern": "the raylens_sdpa attention function's capture kwarg"}
+__all__ = ["Read", "ReadKey", "Tap", "Taps", "Recording", "taps_of"]
 
 
 @dataclass(frozen=True)
