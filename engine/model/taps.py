@@ -221,7 +221,8 @@ class Taps:
             raise InvalidRequestError(
                 f"taps need a Llama-family model (embed_tokens, layers, norm), got {type(model).__name__}",
                 parameter="model", value=type(model).__name__)
-        self.model, self.base = model, base
+        self._model = weakref.ref(model)  # the model keeps its table (taps_of): no reference cycle back
+        self.base = base
         self.num_layers = len(base.layers)
         reads = [Read(ReadKey(None, "hook_embed"), base.embed_tokens, "post", _first, writable=True),
                  Read(ReadKey(None, "ln_final.hook_normalized"), base.norm, "post", _first, writable=True)]
@@ -237,6 +238,15 @@ class Taps:
                         "raw"))
         self.taps: dict[HookName, Tap] = {tap.name: tap for tap in taps}  # forward order
         assert len(self.taps) == self.num_layers * len(BLOCK_HOOKS) + len(GLOBAL_HOOKS)
+
+    @property
+    def model(self) -> Any:
+        """The model this table was built from (its config, parameters and LM head)."""
+        model = self._model()
+        if model is None:
+            raise InvalidRequestError("the taps table's model was unloaded; use the table of the model now loaded",
+                                      parameter="model")
+        return model
 
     def tap(self, name: HookName | str) -> Tap:
         """The entry of ``name`` (a string is parsed here, once); unknown or out-of-range names are refused."""
@@ -339,17 +349,18 @@ class Taps:
             handle.remove()
 
 
-_tables: "weakref.WeakKeyDictionary[Any, Taps]" = weakref.WeakKeyDictionary()
+_TABLE_ATTRIBUTE = "_raylens_taps"  # on the model itself: the table lives and dies with it
 _tables_lock = threading.Lock()
 
 
 def taps_of(model: Any) -> Taps:
-    """The taps table of ``model``, built on first use and kept as long as the model lives (the
-    backend builds it at load time); a :class:`Taps` is returned as is."""
+    """The taps table of ``model``, built on first use and kept on the model for as long as it
+    lives (the backend builds it at load time); a :class:`Taps` is returned as is."""
     if isinstance(model, Taps):
         return model
     with _tables_lock:
-        table = _tables.get(model)
+        table = model.__dict__.get(_TABLE_ATTRIBUTE)
         if table is None:
-            table = _tables[model] = Taps(model)
+            table = Taps(model)
+            object.__setattr__(model, _TABLE_ATTRIBUTE, table)  # a plain attribute, not a submodule
         return table
