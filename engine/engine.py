@@ -383,9 +383,10 @@ class Engine:
         residual stream after block ``layer``) pooled by ``"mean"`` or ``"last"``. Texts are
         plain text (no chat template, no BOS); each call runs fresh forwards, no cache reused.
         See :mod:`engine.model.embeddings`."""
-        from engine.model.embeddings import embed
+        from engine.model.embeddings import tokenize_texts
 
-        return embed(self.backend.model, self.tokenizer, texts, layer=layer, pool=pool, batch_size=batch_size)
+        ids = tokenize_texts(self.tokenizer, texts, self.backend.info.max_context)
+        return self.backend.embed(ids, layer=layer, pool=pool, batch_size=batch_size)
 
     def capture(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
                 input_ids: Sequence[int] | None = None, names: Sequence[str] = ("*",),
@@ -395,7 +396,5 @@ class Engine:
         batch dimension dropped, for every internal matching ``names`` (globs). With ``out``,
         also writes ``tensors.safetensors`` and ``manifest.json`` there. Capture never changes
         the model's outputs. See :mod:`engine.model.named_capture`."""
-        from engine.model.named_capture import capture
-
         ids = self.encode(prompt, messages=messages, input_ids=input_ids)
-        return capture(self.backend.model, ids, names, out=out, model_id=self.backend.info.model_id)
+        return self.backend.capture(ids, names, out=out)

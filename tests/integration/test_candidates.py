@@ -13,7 +13,7 @@ PROMPT = "Give me a word that rhymes with cat."
 def _model_logprob(engine, prompt_ids, token_ids):
     """Sum of log-softmax(logits) of ``token_ids`` after ``prompt_ids``: one plain forward."""
     with torch.inference_mode():
-        logits = engine.backend.model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
+        logits = engine.backend.reference_model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
     logp = torch.log_softmax(logits, dim=-1)
     start = len(prompt_ids)
     return sum(float(logp[start - 1 + i, t]) for i, t in enumerate(token_ids))
@@ -39,7 +39,7 @@ def test_truncated_sampling_scores_under_the_renormalised_distribution(engine):
                               seed=3, ignore_eos=True)
     with torch.inference_mode():
         for cand in cands:
-            logits = engine.backend.model(torch.tensor([prompt_ids + cand.token_ids])).logits[0].float()
+            logits = engine.backend.reference_model(torch.tensor([prompt_ids + cand.token_ids])).logits[0].float()
             total = 0.0
             for i, token in enumerate(cand.token_ids):
                 scores = logits[len(prompt_ids) - 1 + i] / 0.8
