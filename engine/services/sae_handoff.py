@@ -152,7 +152,8 @@ class SAEHandoff:
                                        skip_first_position=skip_first_position)
         self._pending: dict[Future[int], _Pending] = {}
         self._encoded: dict[str, tuple[int, Any, Any]] = {}  # request → this forward's (start, values, indices)
-        self._lock = threading.Lock()
+        self._settling = 0  # blocks taken out of _pending by a thread that is settling them
+        self._lock = threading.Condition()  # notified whenever a block is settled
 
     @property
     def mode(self) -> str:
@@ -163,7 +164,7 @@ class SAEHandoff:
     def backlog(self) -> int:
         """Blocks handed off and not yet settled."""
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + self._settling
 
     def report(self) -> dict[str, Any]:
         """Mode, transport, counters and backlog: the generator's ``stats()["sae"]``."""
@@ -214,7 +215,7 @@ class SAEHandoff:
         except Exception as err:  # nothing could be sent: the block is a gap, explained
             self._give_up(meta, err, attempts=0)
             return
-        while self.backlog >= self.max_pending:
+        while self._sent() >= self.max_pending:
             with self._lock:
                 self.stats.backlog_waits += 1
             self._settle(wait_for_one=True)
@@ -222,6 +223,10 @@ class SAEHandoff:
         self._settle(wait_for_one=False)
 
     # ------------------------------------------------------------------------- settling
+
+    def _sent(self) -> int:
+        with self._lock:
+            return len(self._pending)
 
     def _send(self, item: _Pending) -> None:
         item.attempts += 1
@@ -252,8 +257,15 @@ class SAEHandoff:
             for future in done:
                 with self._lock:
                     item = self._pending.pop(future, None)
-                if item is not None:  # another thread may have settled it
+                    if item is None:  # another thread is settling it
+                        continue
+                    self._settling += 1
+                try:
                     self._settle_one(future, item)
+                finally:
+                    with self._lock:
+                        self._settling -= 1
+                        self._lock.notify_all()
 
     def _settle_one(self, future: "Future[int]", item: _Pending) -> None:
         try:
@@ -286,8 +298,15 @@ class SAEHandoff:
             log.exception("could not record missing block %s", meta.batch_id)
 
     def drain(self) -> None:
-        """Wait until every handed-off block is stored or recorded missing."""
-        while self.backlog:
+        """Wait until every handed-off block is stored or recorded missing (also those another
+        thread is settling: a retry it is about to send)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    if not self._settling:
+                        return
+                    self._lock.wait()
+                    continue
             self._settle(wait_for_one=True)
 
     def close(self) -> None:
