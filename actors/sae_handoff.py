@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -31,7 +32,17 @@ from engine.services.sae_blocks import BlockMeta, HiddenBlock
 from engine.services.sae_handoff import HandoffMode
 from engine.services.sae import SAEEncoder
 
-__all__ = ["RayWorkerTransport"]
+__all__ = ["RayWorkerTransport", "Shipment"]
+
+
+@dataclass
+class Shipment:
+    """A block as it travels: the ref of its hidden states, its meta, and the worker it went to
+    last (so a retry goes to the next one, never straight back to a worker that just failed)."""
+
+    hidden_ref: Any
+    meta: BlockMeta
+    worker: int | None = None
 
 
 class RayWorkerTransport:
@@ -49,21 +60,25 @@ class RayWorkerTransport:
         self._next_worker = 0
         self._lock = threading.Lock()  # sends come from the step loop and from drain()
 
-    def prepare(self, block: HiddenBlock) -> tuple[Any, BlockMeta]:
-        """``(ref of hidden (n, d) float numpy, meta)``: one device→host copy per block."""
+    def prepare(self, block: HiddenBlock) -> Shipment:
+        """The block's hidden states ``(n, d)`` as a float numpy object in Ray's store: one
+        device→host copy per block, whatever the attempts."""
         tensor = block.hidden().detach()
         if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16; float32 holds it exactly
             tensor = tensor.float()
         meta = block.meta()
         self.store.expect_block.remote(**meta.ledger())
-        return ray.put(tensor.cpu().numpy()), meta
+        return Shipment(ray.put(tensor.cpu().numpy()), meta)
 
-    def send(self, prepared: tuple[Any, BlockMeta]) -> "Future[int]":
+    def send(self, shipment: Shipment) -> "Future[int]":
+        """Round-robin for a first attempt; a retry goes to the worker after the one that failed."""
         with self._lock:
-            worker = self.workers[self._next_worker % len(self.workers)]
-            self._next_worker += 1
-        hidden_ref, meta = prepared
-        return worker.encode.remote(hidden_ref, meta).future()
+            if shipment.worker is None:
+                shipment.worker, self._next_worker = self._next_worker, self._next_worker + 1
+            else:
+                shipment.worker += 1
+            worker = self.workers[shipment.worker % len(self.workers)]
+        return worker.encode.remote(shipment.hidden_ref, shipment.meta).future()
 
     def record_missing(self, meta: BlockMeta, reason: str) -> None:
         self.store.record_missing.remote(**meta.ledger(), reason=reason)
