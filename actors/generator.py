@@ -4,9 +4,9 @@ It holds an in-process :class:`engine.Engine` (whose own store, SAE and ingest a
 the Ray wiring: the engine's SAE hand-off, built by the engine's one factory, ships hidden-state
 blocks to SAE workers through :class:`RayWorkerTransport` (or, with ``sae.mode: inline``, the
 actor encodes each step itself and sends the rows to the StoreActor, so events and streams carry
-features); each request's row goes to the StoreActor and its payload to
-the IngestActor, both without waiting. It is a threaded actor: each concurrent call waits in its
-own thread while the engine's one step loop runs every request in flight as one batch.
+features); each request's row goes to the StoreActor and its payload to the IngestActor, both
+without waiting. It is a threaded actor: each concurrent call waits in its own thread while the
+engine's one step loop runs every request in flight as one batch.
 
 Two ways in, one batch: ``generate(request)`` (Ray Jobs: one whole request per call) and
 ``stream(request)`` (the Serve replica: a Ray streaming generator that hands back each token as

@@ -107,7 +107,8 @@ def run(handoff: SAEHandoff, *, forwards: int = 4) -> None:
     gen = torch.Generator().manual_seed(1)
     handoff.on_forward("r", 0, ForwardRecord(0, (1, 2, 3), {LAYER: torch.randn(3, D_IN, generator=gen)}))
     for step in range(1, forwards):
-        handoff.on_forward("r", step, ForwardRecord(2 + step, (10 + step,), {LAYER: torch.randn(1, D_IN, generator=gen)}))
+        hidden = torch.randn(1, D_IN, generator=gen)
+        handoff.on_forward("r", step, ForwardRecord(2 + step, (10 + step,), {LAYER: hidden}))
     handoff.finish("r")
     handoff.close()
 
