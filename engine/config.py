@@ -275,7 +275,9 @@ class SAEConfig:
     """SAE feature extraction. ``sae_id``: a name in ``engine.services.sae.SAE_REGISTRY`` or an SAE directory
     in sae-lens format. ``nearline`` encodes on a background worker in blocks of ``block_steps``
     forward passes (at most ``max_pending_blocks`` waiting: then the token loop waits, nothing is
-    dropped); ``inline`` encodes inside the token loop."""
+    dropped); ``inline`` encodes inside the token loop. A block whose hand-off fails is tried
+    ``retry_attempts`` times in all, ``retry_backoff_s`` (doubling) apart, whichever transport
+    carries it, then recorded in ``missing_blocks``."""
 
     enabled: bool = False
     mode: Literal["nearline", "inline"] = "nearline"
@@ -287,13 +289,18 @@ class SAEConfig:
     block_steps: int = 16
     max_pending_blocks: int = 64
     skip_first_position: bool = True  # position 0 is an attention sink; SAEs are trained without it
+    retry_attempts: int = 3
+    retry_backoff_s: float = 0.05
     neuronpedia_url: str | None = None  # feature explanations; off unless set
 
     def __post_init__(self) -> None:
         _check_device(self.device)
         _require(self, "sae.", [("layer", self.layer >= 0, ">= 0"), ("top_k", self.top_k >= 1, ">= 1"),
                                  ("block_steps", self.block_steps >= 1, ">= 1"),
-                                 ("max_pending_blocks", self.max_pending_blocks >= 1, ">= 1")])
+                                 ("max_pending_blocks", self.max_pending_blocks >= 1, ">= 1"),
+                                 ("retry_attempts", self.retry_attempts >= 1, ">= 1"),
+                                 ("retry_backoff_s", _is_real(self.retry_backoff_s) and math.isfinite(
+                                     self.retry_backoff_s) and self.retry_backoff_s >= 0, "a finite number >= 0")])
         if self.mode not in ("nearline", "inline"):
             raise ConfigError(f"`sae.mode` must be nearline or inline, got {self.mode!r}", parameter="mode",
                               value=self.mode)

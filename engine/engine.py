@@ -35,7 +35,8 @@ from engine.model.tensor import TensorShim
 from engine.services.ingest_client import IngestClient
 from engine.services.ingest_payload import PayloadBuilder
 from engine.services.sae import SAEEncoder, SteeringDirections
-from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
+from engine.services.sae_blocks import BlockMeta
+from engine.services.sae_handoff import BlockTransport, LocalTransport, SAEHandoff, build_handoff
 from engine.services.store import ActivationStore, RequestRecord
 from mods import conversation
 from mods.legacy_names import install_legacy_names
@@ -83,7 +84,7 @@ class Engine:
         self._active: set[str] = set()
         self._lock = threading.Lock()
         self.store: ActivationStore | None = None
-        self.recorder: ActivationRecorder | None = None
+        self.recorder: SAEHandoff | None = None
         self._sink: HiddenSink | None = None
         self._sink_layer: int | None = None
         backend_cfg = self.backend.config
@@ -103,13 +104,15 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
         freeze_startup_objects()
 
-    def use_sae(self, recorder: ActivationRecorder) -> None:
-        """Encode every forward's residual stream with ``recorder`` (its SAE's layer): inline, its
-        features ride on events and streams, and Steer actions use its decoder directions. The
-        Ray generator hands in one that writes through the StoreActor."""
-        self.recorder = recorder
-        self.attach_hidden_sink(recorder, recorder.encoder.identity.layer)
-        self._steering = SteeringDirections(recorder.encoder)
+    def use_sae(self, handoff: SAEHandoff) -> None:
+        """Send every forward's residual stream at the SAE's layer through ``handoff``. With the SAE
+        in this process, Steer actions use its decoder directions and, inline, its features ride
+        on events and streams. The Ray generator hands in one that writes through the StoreActor
+        or ships blocks to SAE workers."""
+        self.recorder = handoff
+        self.attach_hidden_sink(handoff, handoff.layer)
+        if handoff.encoder is not None:
+            self._steering = SteeringDirections(handoff.encoder)
 
     def attach_hidden_sink(self, sink: HiddenSink, layer: int) -> None:
         """Subscribe ``sink`` to every forward's residual stream after ``layer`` (the Ray
@@ -122,7 +125,7 @@ class Engine:
         self._event_names = event_plan(self.backend.config.hidden_state_layer, hidden_states=hidden_states,
                                        attention=attention)
 
-    def _build_recorder(self) -> ActivationRecorder:
+    def _build_recorder(self) -> SAEHandoff:
         """Load the SAE and route its encoded rows to this engine's store."""
         store = self.store
         assert store is not None  # RaylensConfig refuses sae.enabled without activations.enabled
@@ -130,23 +133,27 @@ class Engine:
         def write(rows: Any, batch_id: str, request_id: str) -> int:
             return store.append_activations(rows, batch_id=batch_id, request_id=request_id)
 
-        def missing(block: HiddenBlock, reason: str) -> None:
-            store.record_missing_block(**block.meta().ledger(), reason=reason)
+        def missing(block: BlockMeta, reason: str) -> None:
+            store.record_missing_block(**block.ledger(), reason=reason)
 
         return self.sae_recorder(write, missing)
 
-    def sae_recorder(self, write: Callable[[Any, str, str], int], missing: Callable[[HiddenBlock, str], None], *,
-                     mode: str | None = None) -> ActivationRecorder:
-        """The config's SAE (``sae`` settings, whether or not ``sae.enabled``) loaded for this
-        model, encoding in ``mode`` (default ``sae.mode``); ``write``/``missing`` decide where its
-        rows and failed blocks go: this engine's store, or the StoreActor of a Ray generator."""
+    def sae_recorder(self, write: Callable[[Any, str, str], int], missing: Callable[[BlockMeta, str], None], *,
+                     ray: bool = False, remote: Callable[[], BlockTransport] | None = None) -> SAEHandoff:
+        """The config's SAE hand-off (``sae`` settings, whether or not ``sae.enabled``), its mode
+        chosen by :func:`~engine.services.sae_handoff.build_handoff`. In process, the SAE is loaded
+        for this model and ``write``/``missing`` decide where its rows and failed blocks go: this
+        engine's store, or the StoreActor of a Ray generator (``ray``), whose SAE workers'
+        transport ``remote`` carries nearline blocks."""
         sae, info = self.config.sae, self.backend.info
-        encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
-                                  model_layers=info.num_layers,
-                                  device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
-        return ActivationRecorder(encoder, write, missing, mode=mode or sae.mode, block_steps=sae.block_steps,
-                                  max_pending_blocks=sae.max_pending_blocks, model_id=info.model_id,
-                                  skip_first_position=sae.skip_first_position)
+
+        def local(threaded: bool) -> LocalTransport:
+            encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
+                                      model_layers=info.num_layers,
+                                      device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
+            return LocalTransport(encoder, write, missing, model_id=info.model_id, threaded=threaded)
+
+        return build_handoff(self.config, ray=ray, local=local, remote=remote)
 
     @classmethod
     def from_config(cls, path: str | Path | None = None, *,
@@ -165,7 +172,7 @@ class Engine:
         return self.recorder is not None and self.recorder.mode == "inline"
 
     def flush(self) -> None:
-        """Wait until every hidden-state block handed to the nearline encoder is stored."""
+        """Wait until every hidden-state block handed off is stored (or recorded missing)."""
         if self.recorder is not None:
             self.recorder.drain()
 
@@ -349,7 +356,7 @@ class Engine:
         if self._ingest is not None:
             delivery = self._ingest.send(payload)
             metadata["ingest"] = {"delivered": delivery.delivered, "spooled_to": delivery.spooled_to}
-        if self.recorder is not None:
+        if self.recorder is not None and self.recorder.encoder is not None:
             identity = self.recorder.encoder.identity
             metadata["sae"] = {"mode": self.recorder.mode, "release": identity.release, "sae_id": identity.sae_id,
                                "layer": identity.layer, "top_k": identity.top_k, **self.recorder.stats.as_dict()}

@@ -37,6 +37,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from engine.config import RaylensConfig
+from engine.services.sae_mode import handoff_mode
 from engine.errors import ActorConfigConflictError, ActorStartError, ClusterCapacityError, ClusterUnreachableError
 
 __all__ = ["Topology", "ActorSpec", "actor_specs", "actor_keys", "actor_roles", "actor_names", "generator_name",
@@ -96,7 +97,7 @@ _NOT_SHAPING = frozenset({"namespace", "address", "dashboard_url", "actor_start_
 def runs_sae_workers(config: RaylensConfig) -> bool:
     """SAE workers exist for nearline encoding only: with ``sae.mode: inline`` the generator
     encodes every step itself, and idle workers would only hold CPUs (or GPU shares)."""
-    return config.sae.enabled and config.sae.mode == "nearline"
+    return config.sae.enabled and handoff_mode(config.sae, ray=True) == "ray-workers"
 
 
 def actor_roles(config: RaylensConfig) -> dict[str, str]:
