@@ -41,6 +41,8 @@ _OPEN_PATHS = frozenset({"/healthz"})
 def build_app(engine: Any, settings: ServeSettings | None = None, *, store: Any = None,
               neuronpedia_url: str | None = None) -> FastAPI:
     settings = settings or ServeSettings()
+    if neuronpedia_url is None:  # the engine's config names it (sae.neuronpedia_url), when it has one
+        neuronpedia_url = getattr(getattr(getattr(engine, "config", None), "sae", None), "neuronpedia_url", None)
     source = features_api.FeatureSource(store if store is not None else getattr(engine, "store", None),
                                         engine.tokenizer, neuronpedia_url, features_api.neuronpedia_ids_from_registry())
     app = _base_app(settings, source, "OpenAI-compatible chat with mods, and per-token attention streaming.")

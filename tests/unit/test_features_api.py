@@ -147,6 +147,7 @@ def test_no_store_is_a_coded_error_and_an_engines_app_reads_the_store_it_is_give
     assert engine.store is None
     with serve_in_thread(build_app(engine)) as url:
         _error(httpx.get(f"{url}/api/v1/features/7", timeout=30), 404, "NO_STORE")
+        assert 'href="features"' in httpx.get(url, timeout=30).text  # the viewer links to the browser
     with ActivationStore(store_path, read_only=True) as store, serve_in_thread(build_app(engine, store=store)) as url:
         data = httpx.get(f"{url}/api/v1/features/7", timeout=30).json()
         assert data["contexts"][0]["token"]["text"] == "c"  # the engine's tokenizer gives the text

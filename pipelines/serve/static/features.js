@@ -79,6 +79,8 @@ function drawFeature(data) {
     className: "bar", title: `${fmt(b.low)} – ${fmt(b.high)}: ${b.count}`,
     dataset: { count: String(b.count) }, style: `height: ${(100 * b.count) / peak}%`,
   })));
+  $("histogram-low").textContent = data.histogram.length ? fmt(data.histogram[0].low) : "";
+  $("histogram-high").textContent = data.histogram.length ? fmt(data.histogram.at(-1).high) : "";
   const body = $("contexts").tBodies[0];
   body.replaceChildren(...data.contexts.map((c) => {
     const context = el("div", { className: "ctx" }, [
@@ -167,8 +169,16 @@ $("search").addEventListener("submit", (event) => { event.preventDefault(); show
 $("recolour").addEventListener("click", () => state.request !== null && showRequest(state.request, null));
 if (apiKey) $("viewer-link").href = withKey("./");
 
+async function linkViewer() {
+  // the viewer page exists where a model is served; a store-only browser has none
+  try {
+    const health = await api("/healthz");
+    $("viewer-link").hidden = !health.model;
+  } catch (err) { /* no viewer link */ }
+}
+
 (async () => {
-  await loadRequests();
+  await Promise.all([loadRequests(), linkViewer()]);
   if (params.has("feature")) await showFeature(params.get("feature"));
   if (params.has("request")) await showRequest(params.get("request"), state.feature);
   document.body.dataset.ready = "true";
