@@ -5,10 +5,12 @@ likely the sampling distribution made them. All n run as one batch through the s
 of one step, each with its own generator seeded ``seed + i``), so n = 8 costs about one request's
 steps, not eight.
 
-``log_prob`` is the sum, over the tokens the model sampled (a stop token included: ending there is
-part of the choice), of each token's log-probability under the distribution it was drawn from:
-temperature, top-k and top-p applied and renormalised — with temperature 1 and no truncation,
-the model's own log-softmax. Tokens a mod forced carry no sampling probability and are not counted.
+``token_ids`` are the tokens the model read after the prompt, a stop token it sampled included
+(as vLLM's outputs include it): ending there is part of the choice. ``text`` is the answer's text
+(without the stop token). ``log_prob`` is the sum, over exactly ``token_ids``, of each token's
+log-probability under the distribution it was drawn from: temperature, top-k and top-p applied
+and renormalised — with temperature 1 and no truncation, the model's own log-softmax. Tokens a mod
+forced carry no sampling probability and add nothing.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def generate_candidates(engine: "Engine", request: "GenerationRequest", *, n: in
     for handle in handles:
         result = handle.result()
         scores: Sequence[float | None] = result.token_logprobs or []
-        out.append(Candidate(result.output_text, list(result.output_ids),
+        # sequence_ids and token_logprobs are aligned: one entry per token read, the stop token included
+        out.append(Candidate(result.output_text, list(result.sequence_ids),
                              float(sum(lp for lp in scores if lp is not None)), str(result.finish_reason)))
     order = sorted(range(n), key=lambda i: -out[i].log_prob)
     return [out[i] for i in order]
