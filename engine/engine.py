@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from engine.config import GenerationConfig, RaylensConfig, check_request_id, load_config
 from engine.core.request import GenerationRequest, HiddenSink, RequestState
 from engine.core.result import FinishReason, GenerationResult
-from engine.core.rules import Rules
+from engine.core.machine import RequestMachine
 from engine.core.step_loop import Entry, StepLoop
 from engine.core.stream import RequestHandle, StreamEvent
 from engine.errors import ConfigError, ContextOverflowError, InvalidRequestError, check_request_token_ids
@@ -354,8 +354,9 @@ class Engine:
         try:
             with self._lock:
                 self._handles[request_id] = handle
-            rules = Rules(state, vocab_size=info.vocab_size, device=self.backend.device, steering=self._steering)
-            self.loop.submit(Entry(state, rules, handle, self._finalize), block=block, timeout=timeout)
+            machine = RequestMachine(state, vocab_size=info.vocab_size, device=self.backend.device,
+                                     steering=self._steering)
+            self.loop.submit(Entry(state, machine, handle, self._finalize), block=block, timeout=timeout)
         except BaseException:
             self._release(request_id)
             raise
@@ -422,7 +423,7 @@ class Engine:
             state.manager.forced_queues.pop(state.request_id, None)
             state.manager.forced_reason_queues.pop(state.request_id, None)
             elapsed_ms = (time.perf_counter() - state.started_at) * 1000.0
-            return self._result(state, state.payload, elapsed_ms, steers=entry.rules.steer_log)  # type: ignore[arg-type]
+            return self._result(state, state.payload, elapsed_ms, steers=entry.machine.steer_log)  # type: ignore[arg-type]
         finally:
             self._release(state.request_id)
 

@@ -219,8 +219,8 @@ class EncodedForward:
 
 
 class ActivationRecorder:
-    """The in-process hidden-state sink of :func:`engine.core.rules.run_generation`: inline, or
-    nearline on one background encoder thread."""
+    """The in-process hidden-state sink (each request's :class:`engine.core.machine.RequestMachine`
+    hands it every forward): inline, or nearline on one background encoder thread."""
 
     def __init__(self, encoder: SAEEncoder, write: Writer, record_missing: MissingRecorder, *,
                  mode: Literal["nearline", "inline"], block_steps: int, max_pending_blocks: int,
