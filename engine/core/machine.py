@@ -11,8 +11,8 @@ interface the step loop calls.
         step()            ForwardPass ─► actions; the row to sample from (None: nothing samples)
         on_sample(sample) Sampled ─► actions ─► add ─► Added ─► actions ─► stop checks
 
-The loop only admits, schedules, batches, isolates faults and retires; it reads no request field
-beyond :attr:`RequestMachine.finished`, :attr:`decoding`, :attr:`ready` and :attr:`pending_tokens`.
+The loop only admits, schedules, batches, isolates faults and retires; it reads no request field,
+only :attr:`RequestMachine.finished`, :attr:`decoding`, :attr:`ready` and :attr:`pending_tokens`.
 
 A feed split over several forwards (a long prompt under the step's token budget) is invisible
 above this class: its chunks' internals are joined into the one output an unsplit forward gives
@@ -113,6 +113,16 @@ class RequestMachine:
             return 0
         left = len(state.prompt_ids) + len(state.generated) - state.cached
         return left if left > 0 else (1 if state.output is None else 0)
+
+    @property
+    def request_id(self) -> str:
+        return self.state.request_id
+
+    def retire(self) -> None:
+        """It left the batch: what it still held is announced, its SAE rows are handed off."""
+        self.flush()
+        if self.state.hidden_sink is not None:
+            self.state.hidden_sink.finish(self.state.request_id)
 
     def cancel(self) -> None:
         if self.state.finish is None:

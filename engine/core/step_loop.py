@@ -179,13 +179,13 @@ class StepLoop:
         try:
             return fn()
         except Exception as err:
-            log.warning("request %s failed: %s: %s", entry.state.request_id, type(err).__name__, err)
+            log.warning("request %s failed: %s: %s", entry.machine.request_id, type(err).__name__, err)
             entry.machine.fail(f"{type(err).__name__}: {err}")
             return None
 
     def _step(self, new: list[Entry]) -> None:
         for entry in new:
-            self._guard(entry, lambda e=entry: self.backend.acquire(e.state.request_id))
+            self._guard(entry, lambda e=entry: self.backend.acquire(e.machine.request_id))
             entry.machine.start(max_sequence=self.backend.max_sequence, overlap=self.defer_announcements)
             self._active.append(entry)
         for entry in self._active:
@@ -279,18 +279,16 @@ class StepLoop:
 
     def _retire(self) -> None:
         """Finished requests leave the batch; their results are built off the loop thread."""
-        done = [e for e in self._active if e.state.finish is not None]
+        done = [e for e in self._active if e.machine.finished]
         if not done:
             return
-        self._active = [e for e in self._active if e.state.finish is None]
+        self._active = [e for e in self._active if not e.machine.finished]
         for entry in done:
             try:
-                self.backend.release(entry.state.request_id)
+                self.backend.release(entry.machine.request_id)
             except Exception:
-                log.exception("could not release the slot of %s", entry.state.request_id)
-            self._guard(entry, entry.machine.flush)  # anything it still held is announced first
-            if entry.state.hidden_sink is not None:
-                self._guard(entry, lambda e=entry: e.state.hidden_sink.finish(e.state.request_id))
+                log.exception("could not release the slot of %s", entry.machine.request_id)
+            self._guard(entry, entry.machine.retire)
             entry.handle.end()
             self._finisher.submit(self._complete, entry)
         with self._cond:
@@ -300,6 +298,6 @@ class StepLoop:
         try:
             entry.handle.set_result(entry.finalize(entry))
         except BaseException as err:  # the caller gets the error instead of a result
-            log.exception("could not build the result of %s", entry.state.request_id)
+            log.exception("could not build the result of %s", entry.machine.request_id)
             entry.handle.set_exception(err)
 
