@@ -167,6 +167,7 @@ class RequestMachine:
         if state.cached < len(state.prompt_ids) + len(state.generated):
             self._parts.append((row, output))
             self.chunks += 1
+            state.output = None  # no step runs on an older forward while this feed is incomplete
             return False
         if self._parts:
             self._parts.append((row, output))

@@ -189,3 +189,36 @@ def test_a_request_cancelled_mid_prefill_leaves_at_the_next_step_and_frees_its_s
     assert len(LONG) > 4  # positive control: it needed more chunks than it got
     assert "long" not in backend.sequences  # its slot was released ...
     assert next_result.output_text == "hello world"  # ... and the queued request ran in it
+
+
+def test_forced_tokens_longer_than_the_budget_are_fed_over_several_steps_with_the_same_events():
+    """A decoding request's forced chunk that does not fit one step is fed in parts; no step runs
+    on the forward before it, and everything a mod or the stream sees equals an unsplit run."""
+    from mods import ForceTokens, ForwardPass
+
+    forced = TOK.encode(" and so on")  # 10 tokens, more than a step of 4 feeds
+
+    def force_once(event, tokenizer=None):
+        if isinstance(event, ForwardPass) and event.step == 1:
+            return ForceTokens(forced)
+        return None
+
+    def run(budget):
+        ids = TOK.encode("Q:")
+        backend = ChunkingBackend({"r": len(ids)}, max_batch=1, max_step_tokens=budget)
+        eng = _engine(backend)
+        try:
+            handle = eng.submit(input_ids=ids, request_id="r", mods=[force_once])
+            stream = [(e.token_ids, e.forced) for e in handle]
+            return handle.result(timeout=60), stream, backend.forwards
+        finally:
+            eng.close()
+
+    (split, split_stream, split_rows), (whole, whole_stream, whole_rows) = run(4), run(512)
+    assert [n for rows in split_rows for _, _, n in rows if n > 1][1:] == [4, 4, 2]  # the forced feed, in parts
+    assert [n for rows in whole_rows for _, _, n in rows if n > 1][1:] == [len(forced)]  # positive control
+    assert split.sequence_ids == whole.sequence_ids and forced == split.sequence_ids[1:1 + len(forced)]
+    assert [(type(e).__name__, e.step) for e in split.events] == [(type(e).__name__, e.step) for e in whole.events]
+    assert [e.input_ids for e in split.events if isinstance(e, ForwardPass)] == \
+        [e.input_ids for e in whole.events if isinstance(e, ForwardPass)]
+    assert split_stream == whole_stream and split.finish_reason is whole.finish_reason
