@@ -133,6 +133,10 @@ class BackendConfig:
     # "static" runs the static-buffer path without capture, "compile" runs it through torch.compile
     # (a compile per decode shape; pays off on long CPU runs only), "off" is always eager
     graph_decode: Literal["auto", "static", "compile", "off"] = "auto"
+    # tokens one step's forward may feed: every running request's next token first, then chunks
+    # of new prompts up to this budget (a long prompt is prefilled over several steps, so no
+    # stream waits for another request's whole prefill); at least max_batch, so decoding always fits
+    max_step_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.backend_type != "huggingface":
@@ -152,6 +156,10 @@ class BackendConfig:
             ("initial_cache_tokens", self.initial_cache_tokens >= 1, ">= 1"),
             ("graph_decode", self.graph_decode in ("auto", "static", "compile", "off"),
              "one of auto, static, compile, off"),
+            ("max_step_tokens", isinstance(self.max_step_tokens, int) and not isinstance(self.max_step_tokens, bool)
+             and self.max_step_tokens >= (self.max_batch if isinstance(self.max_batch, int) else 1),
+             f">= max_batch ({self.max_batch}: every running request feeds one token per step); raise it or "
+             f"lower max_batch"),
         ])
 
 

@@ -23,7 +23,7 @@ from engine.core.input_processor import InputProcessor
 from engine.core.inputs import GenerationRequest, as_request
 from engine.core.request import HiddenSink, RequestState
 from engine.core.result import FinishReason, GenerationResult
-from engine.core.rules import Rules
+from engine.core.machine import RequestMachine
 from engine.core.step_loop import Entry, StepLoop
 from engine.core.stream import RequestHandle, StreamEvent
 from engine.errors import InvalidRequestError
@@ -272,8 +272,9 @@ class Engine:
         try:
             with self._lock:
                 self._handles[request_id] = handle
-            rules = Rules(state, vocab_size=info.vocab_size, device=self.backend.device, steering=self._steering)
-            self.loop.submit(Entry(state, rules, handle, self._finalize), block=block, timeout=timeout)
+            machine = RequestMachine(state, vocab_size=info.vocab_size, device=self.backend.device,
+                                     steering=self._steering)
+            self.loop.submit(Entry(state, machine, handle, self._finalize), block=block, timeout=timeout)
         except BaseException:
             self._release(request_id)
             raise
@@ -319,7 +320,7 @@ class Engine:
             state.manager.forced_queues.pop(state.request_id, None)
             state.manager.forced_reason_queues.pop(state.request_id, None)
             elapsed_ms = (time.perf_counter() - state.started_at) * 1000.0
-            return self._result(state, state.payload, elapsed_ms, steers=entry.rules.steer_log)  # type: ignore[arg-type]
+            return self._result(state, state.payload, elapsed_ms, steers=entry.machine.steer_log)  # type: ignore[arg-type]
         finally:
             self._release(state.request_id)
 

@@ -109,8 +109,6 @@ class RequestState:
     sae_features: Any = None  # the newest forward's inline SAE encoding (EncodedForward), if any
     steers: dict[int, float] = field(default_factory=dict)  # SAE feature id → scale, from Steer actions
     steer_delta: Any = None  # (d,) sum of scale × decoder direction, added at the SAE layer each forward
-    prefilled: bool = False
-    cancelled: bool = False
     # per step
     force_accepted: bool = False
     step_committed: list[int] = field(default_factory=list)

@@ -1,30 +1,27 @@
-"""The step loop: one thread, one model, many requests — continuous batching.
+"""The step loop: one thread, one model, many requests — continuous batching with a token budget.
 
 ::
 
     submit ─► wait queue (bounded: back-pressure) ─► admitted between steps, up to max_batch
-    step:  one backend.forward for every request that needs one (new prompts and forced chunks as
-           prefill-shaped rows, every other row in one batched decode forward)
-           → per request: Prefilled (new ones) / ForwardPass → its mods → its plan
-           → one batched sample for every request that samples (one host read)
-           → per request: Sampled → its mods → add → Added → its mods → stop checks
+    step:  the scheduler gives each running request its tokens for this step (decoding ones one
+           each, prompts chunks of the rest of backend.max_step_tokens)
+           → one backend.forward for every scheduled row → each request's on_forward
+           → each ready request's step(): ForwardPass → its mods → what to sample
+           → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
            → finished requests leave; their slots go to the next waiting ones
 
-On a GPU the device idles from the sampled ids' host read until the next forward is launched, so
-that gap holds only what the next forward depends on. A request with no mods (and nothing to read
-from the device for its announcements) takes its sample and runs its stop checks at once; its
-Sampled, stream token and Added are announced right after the next forward is launched — before
-that step's ForwardPass, so events, payload records and the stream keep their order. A request
-that finishes on the step, or whose mods could act on Sampled/Added, is announced in place. On a
-CPU the forward runs in the loop's thread, so there is nothing to overlap and every step is
-announced in place.
+The loop admits, schedules, batches, isolates faults and retires; everything about one request —
+its phases, its mods' actions, when it announces — is its state machine's
+(:class:`~engine.core.machine.RequestMachine`; the rules are ``docs/generation-rules.md``). The
+batch owns only tensors. A fault in one request (a mod's bad action, an input that cannot fit, a
+failed forward of its own rows) ends that request alone with finish reason ``error``; a cancelled
+one leaves at the next step, mid-prefill too. Results are built off the loop thread (decoding,
+payloads, ingest delivery), so a slow ingest backend never stalls the batch.
 
-Each request owns its mods, forced queue, generator, payload, capture plan and stream
-(:class:`~engine.core.request.RequestState`); the batch owns only tensors. A request's mods see
-only its own row. A fault in one request (a mod's bad action, an input that cannot fit, a failed
-forward of its own rows) ends that request alone with finish reason ``error``; a cancelled one
-ends at the next step boundary. Results are built off the loop thread (decoding, payloads,
-ingest delivery), so a slow ingest backend never stalls the batch.
+On a GPU the device idles from the sampled ids' host read until the next forward is launched, so
+that gap holds only what the next forward depends on: a machine may hold its step's announcements
+(``on_sample`` returns True) and the loop flushes them right after the next launch. On a CPU the
+forward runs in the loop's thread, so there is nothing to overlap and nothing is held.
 """
 
 from __future__ import annotations
@@ -37,17 +34,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
+from engine.core.machine import RequestMachine
 from engine.core.request import RequestState
-from engine.core.result import FinishReason
-from engine.core.rules import Rules, StepPlan
+from engine.core.scheduler import Scheduler
 from engine.core.stream import RequestHandle
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model.backend import Backend, ForwardRow, RowOutput
 from engine.model.sampling import SampleResult, SampleRow, sample_rows
-from mods.types import Sampled
 
 __all__ = ["StepLoop", "Entry", "LoopStats"]
 
@@ -60,7 +53,7 @@ class Entry:
     batch (each Engine sharing the loop brings its own: its store, SAE recorder and ingest)."""
 
     state: RequestState
-    rules: Rules
+    machine: RequestMachine
     handle: RequestHandle
     finalize: Callable[["Entry"], Any]
 
@@ -69,9 +62,11 @@ class Entry:
 class LoopStats:
     steps: int = 0
     forwards: int = 0
+    tokens_fed: int = 0  # tokens every forward fed, prompts' included
+    prefill_chunks: int = 0  # forwards that fed part of a feed too long for one step's budget
     max_active: int = 0
     waits_for_room: int = 0  # submits that waited for a free place (back-pressure)
-    deferred_announcements: int = 0  # mod-free steps announced after the next forward's launch
+    deferred_announcements: int = 0  # steps announced after the next forward's launch
     # host time from a step's sampled ids to the next forward's launch (the device idles then)
     launch_gaps: int = 0
     launch_gap_s: float = 0.0
@@ -88,6 +83,8 @@ class StepLoop:
     def __init__(self, backend: Backend, *, max_waiting: int, finisher_threads: int = 4) -> None:
         self.backend = backend
         self.max_waiting = max_waiting
+        self.scheduler = Scheduler(max_batch=backend.max_batch,
+                                   max_step_tokens=getattr(backend.config, "max_step_tokens", 512))
         self._waiting: collections.deque[Entry] = collections.deque()
         self._active: list[Entry] = []
         self._cond = threading.Condition()
@@ -95,11 +92,10 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._finisher = ThreadPoolExecutor(max_workers=finisher_threads, thread_name_prefix="raylens-finish")
         self.stats = LoopStats()
-        # mod-free steps whose Sampled/stream/Added wait for the next launch: (entry, step, sample)
-        self._deferred: list[tuple[Entry, int, SampleResult]] = []
+        self._held: list[Entry] = []  # requests whose last step's announcements wait for the next launch
         self._sampled_at: float | None = None
         # only a device that runs the forward asynchronously has anything to overlap; on a CPU the
-        # forward runs in this thread, so deferring would only hold each streamed token back a step
+        # forward runs in this thread, so holding would only delay each streamed token by a step
         device = getattr(backend, "device", None)
         self.defer_announcements = getattr(device, "type", None) == "cuda"
 
@@ -166,18 +162,16 @@ class StepLoop:
                     self._cond.wait()
                 if self._closing and not self._active:
                     return
-                new: list[Entry] = []
-                while self._waiting and len(self._active) + len(new) < self.backend.max_batch:
-                    new.append(self._waiting.popleft())
+                new = self.scheduler.admit(self._waiting, len(self._active))
                 if new:
                     self._cond.notify_all()  # room in the queue for blocked submitters
             try:
                 self._step(new)
             except Exception as err:  # a bug in the loop itself: fail what it held, keep serving
                 log.exception("step failed; ending the requests it held")
-                self._announce_deferred()
+                self._flush_held()
                 for entry in self._active + [e for e in new if e not in self._active]:
-                    entry.state.fail(f"internal error in the step loop: {type(err).__name__}: {err}")
+                    entry.machine.fail(f"internal error in the step loop: {type(err).__name__}: {err}")
                 self._retire()
 
     def _guard(self, entry: Entry, fn: Callable[[], Any]) -> Any:
@@ -185,39 +179,32 @@ class StepLoop:
         try:
             return fn()
         except Exception as err:
-            log.warning("request %s failed: %s: %s", entry.state.request_id, type(err).__name__, err)
-            entry.state.fail(f"{type(err).__name__}: {err}")
+            log.warning("request %s failed: %s: %s", entry.machine.request_id, type(err).__name__, err)
+            entry.machine.fail(f"{type(err).__name__}: {err}")
             return None
 
     def _step(self, new: list[Entry]) -> None:
         for entry in new:
-            self._guard(entry, lambda e=entry: self.backend.acquire(e.state.request_id))
+            self._guard(entry, lambda e=entry: self.backend.acquire(e.machine.request_id))
+            entry.machine.start(max_sequence=self.backend.max_sequence, overlap=self.defer_announcements)
             self._active.append(entry)
         for entry in self._active:
-            if entry.handle.cancel_requested and entry.state.finish is None:
-                entry.state.finish = FinishReason.CANCELLED
-        running = [e for e in self._active if e.state.finish is None]
+            if entry.handle.cancel_requested:
+                entry.machine.cancel()
+        running = [e for e in self._active if not e.machine.finished]
         self._forward(running)
-        self._announce_deferred()  # when no forward ran
+        self._flush_held()  # when no forward ran
+        sampling: list[tuple[Entry, SampleRow]] = []
         for entry in running:
-            if not entry.state.prefilled and entry.state.output is not None and entry.state.finish is None:
-                entry.state.prefilled = True
-                rules = entry.rules
-                self._guard(entry, lambda r=rules: r.apply_prefilled(r.dispatch(r.prefilled_event())))
-        stepping = [e for e in running if e.state.finish is None and e.state.prefilled and e.state.output is not None]
-        plans: dict[int, StepPlan] = {}
-        for entry in stepping:
-            plan = self._guard(entry, lambda e=entry: self._forward_pass(e))
-            if plan is not None and entry.state.finish is None:
-                plans[id(entry)] = plan
-        to_sample = [e for e in stepping if id(e) in plans and e.rules.sampling_needed(plans[id(e)])]
-        samples = self._sample(to_sample, plans)
-        self._sampled_at = time.perf_counter() if samples else None
-        for entry in stepping:
-            if id(entry) in plans:
-                self._guard(entry, lambda e=entry: self._finish_step(e, plans[id(e)], samples.get(id(e))))
-            elif entry.state.finish is None:
-                self._guard(entry, lambda e=entry: e.rules.end_step(self.backend.max_sequence))
+            if entry.machine.ready:
+                row = self._guard(entry, entry.machine.step)
+                if row is not None and not entry.machine.finished:
+                    sampling.append((entry, row))
+        samples = self._sample(sampling)
+        self._sampled_at = time.perf_counter() if sampling else None
+        for (entry, _), sample in zip(sampling, samples):
+            if self._guard(entry, lambda m=entry.machine, s=sample: m.on_sample(s)):
+                self._held.append(entry)
         self.stats.steps += 1
         self.stats.max_active = max(self.stats.max_active, len(self._active))
         self._retire()
@@ -225,22 +212,14 @@ class StepLoop:
     # --------------------------------------------------------------------------- step parts
 
     def _forward(self, running: list[Entry]) -> None:
-        """One forward for every running request that needs one: new prompts feed every row's
-        internals (Prefilled carries the whole prompt's), the rest the newest row's."""
+        """One forward for every running request the scheduler gives tokens this step."""
         owners, rows = [], []
-        for entry in running:
-            state = entry.state
-            if not state.needs_forward:
-                continue
-            tokens = state.tokens[state.cached:]
-            if not tokens:  # an erased position is re-fed from the last kept token
-                state.cached = max(0, state.length - 1)
-                tokens = state.tokens[state.cached:]
-            plan = state.plan.with_all_query_rows(not state.prefilled)
-            owners.append(entry)
-            steering = entry.rules.steering
-            rows.append(ForwardRow(state.request_id, state.cached, tuple(tokens), plan, state.steer_delta,
-                                   steering.layer if steering is not None and state.steer_delta is not None else None))
+        for i, allowance in self.scheduler.schedule([e.machine for e in running]):
+            entry = running[i]
+            row = self._guard(entry, lambda m=entry.machine, n=allowance: m.next_forward(n))
+            if row is not None:
+                owners.append(entry)
+                rows.append(row)
         if not rows:
             return
         started = time.perf_counter()
@@ -250,20 +229,17 @@ class StepLoop:
             self._sampled_at = None
         outputs = self._forward_isolated(rows)
         elapsed_ms = (time.perf_counter() - started) * 1000.0
-        # the forward is launched (on a GPU it runs now): announce the last step's mod-free samples
-        # while it does — before the outputs below replace each request's newest forward
-        self._announce_deferred()
+        # the forward is launched (on a GPU it runs now): announce what the last step held while
+        # it does — before the outputs below replace each request's newest forward
+        self._flush_held()
         self.stats.forwards += 1
         for entry, row, out in zip(owners, rows, outputs):
-            state = entry.state
             if isinstance(out, Exception):
-                state.fail(f"the forward pass failed: {type(out).__name__}: {out}")
+                entry.machine.fail(f"the forward pass failed: {type(out).__name__}: {out}")
                 continue
-            state.output = out
-            state.cached = row.start + len(row.tokens)
-            if not state.prefilled:
-                state.prefill_ms = elapsed_ms
-            self._guard(entry, lambda e=entry, r=row: e.rules.report_forward(r.start, r.tokens))
+            if self._guard(entry, lambda m=entry.machine, r=row, o=out: m.on_forward(r, o, elapsed_ms)) is False:
+                self.stats.prefill_chunks += 1
+            self.stats.tokens_fed += len(row.tokens)
 
     def _forward_isolated(self, rows: list[ForwardRow]) -> list[RowOutput | Exception]:
         try:
@@ -279,75 +255,40 @@ class StepLoop:
                 outputs.append(err)
         return outputs
 
-    def _forward_pass(self, entry: Entry) -> StepPlan:
-        rules = entry.rules
-        rules.begin_step()
-        return rules.apply_forward_pass(rules.dispatch(rules.forward_event()))
-
-    def _sample(self, entries: list[Entry], plans: dict[int, StepPlan]) -> dict[int, SampleResult]:
-        if not entries:
-            return {}
-        rows = []
-        for entry in entries:
-            state, plan = entry.state, plans[id(entry)]
-            params = plan.sampling or state.request.sampling
-            rows.append(SampleRow(plan.logits if plan.logits is not None else state.output.logits,  # type: ignore
-                                  params, state.generator, state.tokens if params.needs_history else None,
-                                  state.request.logprobs))
+    def _sample(self, sampling: list[tuple[Entry, SampleRow]]) -> list[SampleResult | None]:
+        """One batched draw for every row that samples; a row whose draw fails fails its request."""
+        if not sampling:
+            return []
         try:
-            results = sample_rows(rows)
+            return list(sample_rows([row for _, row in sampling]))
         except Exception:  # one row's logits are unusable: sample row by row to find it
-            results = []
-            for entry, row in zip(entries, rows):
+            results: list[SampleResult | None] = []
+            for entry, row in sampling:
                 try:
                     results.append(sample_rows([row])[0])
                 except Exception as err:
-                    entry.state.fail(f"sampling failed: {type(err).__name__}: {err}")
-                    results.append(None)  # type: ignore[arg-type]
-        return {id(e): r for e, r in zip(entries, results) if r is not None}
+                    entry.machine.fail(f"sampling failed: {type(err).__name__}: {err}")
+                    results.append(None)
+            return results
 
-    def _finish_step(self, entry: Entry, plan: StepPlan, sampled: SampleResult | None) -> None:
-        state, rules = entry.state, entry.rules
-        if sampled is not None and state.finish is None and self.defer_announcements \
-                and rules.can_defer_announcements():
-            step = state.step
-            rules.take_sample(sampled)
-            rules.end_step(self.backend.max_sequence)
-            if state.finish is None:
-                self._deferred.append((entry, step, sampled))
-            else:  # it leaves the batch now: nothing to overlap
-                rules.announce_sample(step, sampled)
-            return
-        attention = None
-        if sampled is not None:
-            if state.finish is not None:
-                return
-            plan = rules.apply_sampled(rules.dispatch(Sampled(state.request_id, state.step, sampled.token)))
-            if state.request.attention_all_layers:
-                attention = _attention_rows(state)
-        if state.finish is None:
-            rules.add_step_tokens(plan, sampled, attention)
-        rules.end_step(self.backend.max_sequence)
-
-    def _announce_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for entry, step, sampled in deferred:
-            self._guard(entry, lambda e=entry, s=step, t=sampled: e.rules.announce_sample(s, t))
-        self.stats.deferred_announcements += len(deferred)
+    def _flush_held(self) -> None:
+        held, self._held = self._held, []
+        for entry in held:
+            if self._guard(entry, entry.machine.flush):
+                self.stats.deferred_announcements += 1
 
     def _retire(self) -> None:
         """Finished requests leave the batch; their results are built off the loop thread."""
-        done = [e for e in self._active if e.state.finish is not None]
+        done = [e for e in self._active if e.machine.finished]
         if not done:
             return
-        self._active = [e for e in self._active if e.state.finish is None]
+        self._active = [e for e in self._active if not e.machine.finished]
         for entry in done:
             try:
-                self.backend.release(entry.state.request_id)
+                self.backend.release(entry.machine.request_id)
             except Exception:
-                log.exception("could not release the slot of %s", entry.state.request_id)
-            if entry.state.hidden_sink is not None:
-                self._guard(entry, lambda e=entry: e.state.hidden_sink.finish(e.state.request_id))
+                log.exception("could not release the slot of %s", entry.machine.request_id)
+            self._guard(entry, entry.machine.retire)
             entry.handle.end()
             self._finisher.submit(self._complete, entry)
         with self._cond:
@@ -357,12 +298,6 @@ class StepLoop:
         try:
             entry.handle.set_result(entry.finalize(entry))
         except BaseException as err:  # the caller gets the error instead of a result
-            log.exception("could not build the result of %s", entry.state.request_id)
+            log.exception("could not build the result of %s", entry.machine.request_id)
             entry.handle.set_exception(err)
 
-
-def _attention_rows(state: RequestState) -> np.ndarray:
-    """``(layers, heads, context)`` float32 host copy of the newest attention row of every layer."""
-    attention = state.output.captured.attention  # type: ignore[union-attr]
-    rows = [attention[layer][:, -1, :] for layer in sorted(attention)]
-    return torch.stack(rows).float().cpu().numpy()

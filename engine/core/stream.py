@@ -78,8 +78,8 @@ class RequestHandle:
             top = (sample.top,) if sample.top is not None else None
         else:
             logprobs, top = (None,) * len(tokens), None
-        self._events.put(TokenEvent(self.request_id, tuple(int(t) for t in tokens), forced, logprobs, top,
-                                    attention, sae_features))
+        self._events.put(TokenEvent(self.request_id, tuple(map(int, tokens)), forced, logprobs, top, attention,
+                                    sae_features))
 
     def erased(self, n: int) -> None:
         self._events.put(Erased(self.request_id, n))

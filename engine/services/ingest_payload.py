@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -195,7 +196,7 @@ class PayloadBuilder:
             "event_type": type(event).__name__,
             "step": int(event.step),
             "sequence_order": index,
-            "created_at": datetime.now(timezone.utc).timestamp(),
+            "created_at": time.time(),  # what datetime.now(utc).timestamp() reads, at a tenth of the cost
         }
         if isinstance(event, Prefilled):
             record["prompt_length"] = len(event.input_ids or getattr(event.context_info, "tokens", []) or [])
@@ -215,12 +216,12 @@ class PayloadBuilder:
 
     def _record_forward(self, record: dict[str, Any], event: ForwardPass,
                         top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        ids = list(event.input_ids or [])
+        ids = event.input_ids or []  # the event's own list: read, never kept or changed
         fed = ids if self._fed_upto is None else (ids[self._fed_upto:] or ids[-1:])
         self._fed_upto = len(ids)
         self._texts.add(record, "input_text", fed, _INPUT_TEXT_CHARS)
         if top is not None:  # stays on device until build: no per-step sync
-            self._top.append((record, top[0][:TOP_TOKENS], top[1][:TOP_TOKENS]))
+            self._top.append((record, top[0], top[1]))  # cut to TOP_TOKENS once, at build
 
     def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]:
         indices: list[int | None] = []
@@ -354,8 +355,8 @@ class PayloadBuilder:
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON payload; call once, after the loop."""
         if self._top:
-            values = torch.stack([v for _, v, _ in self._top]).cpu()  # one device→host copy
-            indices = torch.stack([i for _, _, i in self._top]).cpu()
+            values = torch.stack([v for _, v, _ in self._top])[:, :TOP_TOKENS].cpu()  # one device→host copy
+            indices = torch.stack([i for _, _, i in self._top])[:, :TOP_TOKENS].cpu()
             rows_i, rows_v = indices.tolist(), values.tolist()
             distinct = sorted({t for row in rows_i for t in row})
             texts = {t: text[-_TOKEN_TEXT_CHARS:]

@@ -1,4 +1,4 @@
-"""Every event × action rule of engine/core/rules.py, exactly, on a scripted model.
+"""Every event × action rule of engine/core/actions.py and engine/core/machine.py, exactly, on a scripted model.
 
 The scripted model wants to write "hello world" then EOS; see tests/helpers.ScriptedBackend.
 Each test compares with the mod-free output (positive control) and checks the event trace.

@@ -1,0 +1,312 @@
+"""What a request's mod actions do, phase by phase: one ``apply_<phase>_actions`` per phase, one
+case per action the phase allows. The rules, with their deliberate deviations (DEV) from the
+original engine, are stated once in ``docs/generation-rules.md``; this module is where each of
+them is applied, and nowhere else.
+
+Processing a phase's actions goes in mod registration order and ends at the first Backtrack,
+AdjustedPrefill or terminal action; every non-Noop action after that point is recorded as ignored,
+never dropped silently. A value the engine cannot use is a fault that ends this request alone.
+
+:class:`PhaseActions` sees one request (:class:`~engine.core.request.RequestState`); its state
+machine (:class:`~engine.core.machine.RequestMachine`) calls it with each phase's mod calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from engine.core.request import RequestState
+from engine.core.result import FinishReason, IgnoredAction
+from engine.model.sampling import SamplingParams
+from engine.model.tensor import as_torch
+from mods.manager import ModCall
+from mods.validation import InvalidActionError, check_action_values, check_steer, check_token_ids
+from mods.types import (
+    AdjustedLogits,
+    AdjustedPrefill,
+    Backtrack,
+    EmitError,
+    ForceOutput,
+    ForceTokens,
+    ModAction,
+    Noop,
+    Steer,
+    ToolCalls,
+)
+
+__all__ = ["PhaseActions", "StepPlan", "SteerSource", "Call"]
+
+
+class SteerSource(Protocol):
+    """Where Steer actions get their directions (the engine's loaded SAE)."""
+
+    layer: int
+    num_features: int
+
+    def delta(self, steers: dict[int, float]) -> Any: ...
+
+
+@dataclass
+class Call:
+    """One mod call of a phase and its position in the payload's mod_calls (when recorded)."""
+
+    call: ModCall
+    index: int | None
+
+
+@dataclass
+class StepPlan:
+    """What the ForwardPass/Sampled phase decided for the rest of the step."""
+
+    logits: Any = None  # AdjustedLogits replacement (V,), torch, on device
+    sampling: SamplingParams | None = None
+    backtracked: bool = False
+    reinject: list[int] = field(default_factory=list)
+
+
+class PhaseActions:
+    """Applies one request's mod actions. ``commit_silently(tokens)`` commits forced tokens with no
+    Added of their own (an Added-phase ForceTokens or Backtrack's tokens), through the machine."""
+
+    def __init__(self, state: RequestState, *, vocab_size: int, device: torch.device,
+                 steering: SteerSource | None, commit_silently: Callable[[list[int]], None]) -> None:
+        self.state = state
+        self.vocab_size = vocab_size
+        self.device = device
+        self.steering = steering
+        self.commit_silently = commit_silently
+        self.steer_log: list[dict[str, Any]] = []  # every applied Steer: step, feature, scale
+
+    # ------------------------------------------------------------------------------ records
+
+    def applied(self, item: Call, note: str | None = None, action: ModAction | None = None) -> None:
+        action = action if action is not None else item.call.action
+        self.state.actions.append(action)
+        self.state.payload.action(item.index, action, applied=True, note=note)
+
+    def ignored(self, item: Call, reason: str, action: ModAction | None = None) -> None:
+        action = action if action is not None else item.call.action
+        self.state.ignored.append(IgnoredAction(self.state.step, item.call.event_type, item.call.mod_name, action,
+                                                reason))
+        self.state.payload.action(item.index, action, applied=False, note=reason)
+
+    def ignore_rest(self, rest: Sequence[Call], after: ModAction) -> None:
+        for item in rest:
+            if not isinstance(item.call.action, Noop):
+                self.ignored(item, f"a {type(after).__name__} earlier in this phase ended processing")
+
+    def fault(self, item: Call, reason: str, action: ModAction | None = None) -> None:
+        """A mod handed back a value the engine cannot use: the action is recorded as not applied
+        and the request ends with finish reason ``error`` naming the mod (its neighbours go on)."""
+        action = action if action is not None else item.call.action
+        self.ignored(item, reason, action)
+        self.state.fail(f"mod {item.call.mod_name} returned an unusable {type(action).__name__} at "
+                        f"{item.call.event_type} step {self.state.step}: {reason}")
+
+    def valid(self, item: Call, action: ModAction | None = None) -> bool:
+        """Every value of the action checked before it is applied (token ids in the vocabulary,
+        finite logits, a usable temperature); a bad one is a :meth:`fault`."""
+        action = action if action is not None else item.call.action
+        try:
+            check_action_values(action, self.vocab_size, logits=False)
+        except InvalidActionError as err:
+            self.fault(item, str(err), action)
+            return False
+        return True
+
+    def valid_ids(self, item: Call, ids: Sequence[int] | None, what: str) -> list[int] | None:
+        """``ids`` as ints if all are token ids in the vocabulary; otherwise a :meth:`fault`."""
+        try:
+            return check_token_ids(ids if ids is not None else [], self.vocab_size, field=what)
+        except InvalidActionError as err:
+            self.fault(item, str(err))
+            return None
+
+    def check_fatal_calls(self, calls: Sequence[Call]) -> bool:
+        """A call that timed out or raised a BaseException ends the request (the mod cannot be
+        trusted to go on); True when the request may continue."""
+        for item in calls:
+            call = item.call
+            if getattr(call, "fatal", False):
+                what = call.exception.message if call.exception is not None else "failed"
+                kind = call.exception.type if call.exception is not None else "error"
+                self.state.fail(f"mod {call.mod_name} failed on {call.event_type} step {call.step}: {kind}: {what}")
+                return False
+        return True
+
+    # ------------------------------------------------------------------------ shared effects
+
+    def accept_force(self, item: Call, action: ForceTokens) -> list[int] | None:
+        """The ForceTokens ids if this is the step's first and they are valid, else None (ignored)."""
+        if self.state.force_accepted:
+            self.ignored(item, "a ForceTokens was already accepted this step (one per step)", action)
+            return None
+        ids = self.valid_ids(item, action.tokens, "ForceTokens.tokens")
+        if ids is not None:
+            self.state.force_accepted = True
+            self.applied(item, action=action)
+        return ids
+
+    def queue_force(self, item: Call, action: ForceTokens) -> None:
+        ids = self.accept_force(item, action)
+        if ids:
+            self.state.forced_queue.extend(ids)
+
+    def finish_terminal(self, item: Call) -> bool:
+        """Apply a terminal action; False when it was ignored (bad token ids)."""
+        action, state = item.call.action, self.state
+        if isinstance(action, ForceOutput):
+            ids = self.valid_ids(item, action.tokens, "ForceOutput.tokens")
+            if ids is None:
+                return False
+            state.forced_output, state.finish = ids, FinishReason.STOP
+        elif isinstance(action, ToolCalls):
+            state.tool_calls, state.finish = [action.tool_calls], FinishReason.TOOL_CALLS
+        else:
+            state.error, state.finish = str(getattr(action, "err_str", "")), FinishReason.ERROR
+        self.applied(item)
+        return True
+
+    def backtrack(self, item: Call, already_erased: int) -> list[int] | None:
+        """Erase per the phase rule; the tokens to reinject (None if the action was ignored)."""
+        action: Backtrack = item.call.action  # type: ignore[assignment]
+        if not self.valid(item):
+            return None
+        reinject = [int(t) for t in action.tokens or []]
+        wanted = max(0, int(action.n) - already_erased)
+        erase = min(wanted, len(self.state.generated))
+        self.state.erase(erase)
+        self.applied(item, None if erase == wanted else f"erased {erase} of {wanted}: prompt tokens are kept")
+        return reinject
+
+    def adjust_logits(self, item: Call, action: AdjustedLogits, plan: StepPlan) -> None:
+        vocab = self.vocab_size
+        if not self.valid(item):  # token_temp: None, 0 (greedy) or finite > 0
+            return
+        try:
+            logits = as_torch(action.logits, device=self.device, dtype=torch.float32).reshape(-1)
+        except Exception as err:  # a mod handed us something that is not a tensor
+            return self.fault(item, f"AdjustedLogits.logits is not a tensor of numbers: {err}")
+        if logits.shape[0] != vocab:
+            return self.fault(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
+                                    f"got {logits.shape[0]}")
+        # one device read: NaN or +inf anywhere, or nothing finite left, cannot be sampled from
+        if bool(torch.isnan(logits).any() | torch.isposinf(logits).any() | torch.isneginf(logits).all()):
+            return self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
+                                    "finite entry; got NaN, +inf or -inf everywhere")
+        temp = action.token_temp
+        base = self.state.request.sampling
+        plan.logits = logits
+        plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
+        self.applied(item)
+
+    def steer(self, item: Call, action: Steer) -> None:
+        """Set (or with scale 0 remove) the request's steer of one feature; every later forward of
+        this request adds the summed directions at the SAE's layer."""
+        if self.steering is None:
+            return self.fault(item, "Steer needs the engine's SAE loaded (sae.enabled); none is")
+        try:
+            feature, scale = check_steer(action, num_features=self.steering.num_features)
+        except InvalidActionError as err:
+            return self.fault(item, str(err))
+        state = self.state
+        if scale == 0.0:
+            state.steers.pop(feature, None)
+        else:
+            state.steers[feature] = scale
+        state.steer_delta = self.steering.delta(state.steers) if state.steers else None
+        self.steer_log.append({"step": state.step, "feature_id": feature, "scale": scale})
+        self.applied(item)
+
+    # -------------------------------------------------------------------------------- phases
+
+    def apply_prefilled_actions(self, calls: list[Call]) -> None:
+        state = self.state
+        for i, item in enumerate(calls):
+            action = item.call.action
+            if isinstance(item.call.rejected, ForceTokens):  # a raw mod's ForceTokens at Prefilled: queued
+                self.queue_force(item, item.call.rejected)
+                continue
+            match action:
+                case Noop():
+                    continue
+                case AdjustedPrefill():
+                    tokens = self.valid_ids(item, action.tokens, "AdjustedPrefill.tokens")
+                    if tokens is None:
+                        continue
+                    if int(action.max_steps or 0) > 0:
+                        state.max_tokens = int(action.max_steps)
+                    if tokens:  # the new prompt is fed by the next forwards (Prefilled is not re-sent)
+                        state.prompt_ids, state.cached, state.output = tokens, 0, None
+                    self.applied(item)
+                    return self.ignore_rest(calls[i + 1:], action)
+                case ForceOutput() | ToolCalls() | EmitError():
+                    if self.finish_terminal(item):
+                        return self.ignore_rest(calls[i + 1:], action)
+                case _:
+                    self.ignored(item, f"{type(action).__name__} has no effect at Prefilled")
+
+    def apply_forward_pass_actions(self, calls: list[Call]) -> StepPlan:
+        return self._apply_step_actions(calls, "ForwardPass", logits_allowed=True, already_erased=0)
+
+    def apply_sampled_actions(self, calls: list[Call]) -> StepPlan:
+        # the pending sample is erased first by a Backtrack here
+        return self._apply_step_actions(calls, "Sampled", logits_allowed=False, already_erased=1)
+
+    def _apply_step_actions(self, calls: list[Call], event: str, *, logits_allowed: bool,
+                            already_erased: int) -> StepPlan:
+        """ForwardPass and Sampled take the same actions, except that only ForwardPass may adjust
+        logits and that at Sampled a Backtrack also drops the token just sampled."""
+        plan = StepPlan()
+        for i, item in enumerate(calls):
+            action = item.call.action
+            match action:
+                case Noop():
+                    continue
+                case AdjustedLogits() if logits_allowed:
+                    self.adjust_logits(item, action, plan)
+                case Steer():
+                    self.steer(item, action)
+                case ForceTokens():
+                    self.queue_force(item, action)
+                case Backtrack():
+                    reinject = self.backtrack(item, already_erased=already_erased)
+                    if reinject is not None:
+                        plan.backtracked, plan.reinject = True, reinject
+                        self.ignore_rest(calls[i + 1:], action)
+                        return plan
+                case ForceOutput() | ToolCalls() | EmitError():
+                    if self.finish_terminal(item):
+                        self.ignore_rest(calls[i + 1:], action)
+                        return plan
+                case _:
+                    self.ignored(item, f"{type(action).__name__} has no effect at {event}")
+        return plan
+
+    def apply_added_actions(self, calls: list[Call]) -> None:
+        for i, item in enumerate(calls):
+            action = item.call.action
+            match action:
+                case Noop():
+                    continue
+                case Steer():
+                    self.steer(item, action)
+                case ForceTokens():
+                    ids = self.accept_force(item, action)
+                    if ids:
+                        self.commit_silently(ids)  # a silent continuation
+                case Backtrack():
+                    reinject = self.backtrack(item, already_erased=0)
+                    if reinject is not None:
+                        if reinject:
+                            self.commit_silently(reinject)
+                        return self.ignore_rest(calls[i + 1:], action)
+                case ForceOutput() | ToolCalls() | EmitError():
+                    if self.finish_terminal(item):
+                        return self.ignore_rest(calls[i + 1:], action)
+                case _:
+                    self.ignored(item, f"{type(action).__name__} has no effect at Added")
