@@ -27,12 +27,13 @@ forward runs in the loop's thread, so there is nothing to overlap and nothing is
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from engine.core.machine import RequestMachine
 from engine.core.request import RequestState
@@ -133,6 +134,16 @@ class StepLoop:
                 self._thread = threading.Thread(target=self._run, name="raylens-step-loop", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def admission_held(self) -> Iterator[None]:
+        """Requests submitted inside this block wait and are admitted together, in one step, when it
+        ends: the same batches every time, so two runs can be compared number for number (a
+        left-padded batch of other prompts rounds float32 differently) and benchmarks start their
+        requests at once. Submitting with ``block=True`` past the queue's room inside it would
+        wait forever: keep what it holds within ``max_waiting``."""
+        with self._cond:
+            yield
 
     def close(self, timeout: float = 60.0) -> None:
         """Cancel what is still queued or running, stop the loop and finish every result."""

@@ -109,7 +109,7 @@ def test_a_chunked_prompt_gives_the_same_events_and_tokens_as_one_forward(chunke
 
 
 def test_greedy_tokens_of_a_chunked_prompt_equal_transformers_generate(chunked, long_ids):
-    model = chunked.backend.model
+    model = chunked.backend.reference_model
     eos = set(chunked.backend.info.eos_token_ids)
     with torch.inference_mode():
         reference = model.generate(torch.tensor([long_ids]), attention_mask=torch.ones(1, len(long_ids),
