@@ -11,7 +11,7 @@ line. The sampling values go through the engine's own :class:`engine.config.Gene
 checks (ranges, finite floats, 32-bit integers, 64-bit seeds) and the request id through
 :func:`engine.config.check_request_id`, so the two can never disagree. Only the shape of the
 prompt itself (:data:`_SHAPES`) is restated here, because the engine checks it while tokenizing,
-which needs the model. A line that still fails at run time fails alone (``pipelines.generate``).
+which needs the model. A line that still fails at run time fails alone (``pipelines.jobs.generate``).
 
 Mods are read here to be shipped as payloads, but their code is only *parsed*
 (:func:`mods.loading.check_payload`, :func:`mods.loading.payload_for_file`): a prompts file is
