@@ -19,6 +19,7 @@ from .measure import PROMPT, _machine, _mask_mod
 
 __all__ = ["BenchRow", "run_bench", "format_table"]
 
+
 @dataclass(frozen=True)
 class BenchRow:
     path: str

@@ -26,7 +26,6 @@ def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str]
     import ray
 
     from engine import Engine
-
     from pipelines.cluster.actor_specs import actor_names
     from pipelines.cluster.topology import build_topology
     from pipelines.jobs.generate import PromptLine, run

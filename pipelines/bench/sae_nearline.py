@@ -11,6 +11,7 @@ from .measure import PROMPT
 
 __all__ = ["run_sae_bench", "format_sae"]
 
+
 def _synthetic_rows(tokens: int, identity: Any) -> Any:
     """Realistic activation rows through the production row builder."""
     import numpy as np

@@ -12,6 +12,7 @@ from .measure import PROMPT, _machine
 
 __all__ = ["run_serve_bench", "format_serve"]
 
+
 def run_serve_bench(engine: Any, *, new_tokens: int = 32, streams: Sequence[int] = (1, 4, 16),
                     progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """The attention-streaming WebSocket on a loopback server beside the same requests in-process.

@@ -11,6 +11,7 @@ from .measure import PROMPT
 
 __all__ = ["run_strategy_bench", "format_strategy"]
 
+
 def run_strategy_bench(engine: Any, *, repeats: int = 50) -> dict[str, Any]:
     """Per-step milliseconds of a constrained-generation step (a SelfPrompt masking the full
     vocabulary for a strategy) beside one forward pass of the model."""

@@ -45,7 +45,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     from engine import Engine
-
     from pipelines.bench.batching import build_random_model, format_concurrency, run_concurrency_bench
     from pipelines.bench.generation_paths import format_table, run_bench
     from pipelines.bench.ray_pipeline import format_ray, run_ray_bench
@@ -126,7 +125,6 @@ def _write_report(out: str | None, report: dict[str, Any]) -> None:
 
 def _decode_modes_cli(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
     from engine.config import load_config
-
     from pipelines.bench.decode_modes import format_decode_modes, run_decode_modes_bench
 
     from .arguments import UsageError

@@ -34,7 +34,6 @@ def _add_embed(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_embed(args: argparse.Namespace) -> int:
     from engine import Engine
-
     from pipelines.jobs.embed import check_output, read_texts, write_embeddings
 
     lines = read_texts(args.texts_file)  # file mistakes surface before the model loads

@@ -59,7 +59,6 @@ def job_request(args: argparse.Namespace, cwd: Path) -> tuple[str, dict[str, Any
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     from engine.config import load_config
-
     from pipelines.jobs.generate import read_prompts
 
     read_prompts(Path(args.prompts).resolve())  # a bad line fails here, naming the line, before anything is submitted

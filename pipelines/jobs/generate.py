@@ -119,7 +119,6 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
     from ray.exceptions import RayActorError, RayTaskError
 
     from engine.config import REQUEST_ID_MAX_CHARS
-
     from pipelines.cluster.topology import build_topology
 
     topo = build_topology(config)

@@ -19,9 +19,7 @@ from typing import Any, Callable
 
 from .debian_packages import CorpusSourceError, _need
 
-
 _CHUNK_CHARS = 1200
-
 
 
 def _paragraph_chunks(text: str, size: int = _CHUNK_CHARS) -> list[str]:

@@ -30,7 +30,7 @@ def submit_args(tmp_path, out: str) -> argparse.Namespace:
 
 
 def _job_argv(argv, runtime_env):
-    from pipelines import generate
+    from pipelines.jobs import generate
 
     previous = os.environ.get("RAYLENS_JOB_ARGS")
     os.environ["RAYLENS_JOB_ARGS"] = runtime_env["env_vars"]["RAYLENS_JOB_ARGS"]
