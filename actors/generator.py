@@ -1,11 +1,12 @@
 """GeneratorActor: the model and the mod loop, in a Ray actor.
 
 It holds an in-process :class:`engine.Engine` (whose own store, SAE and ingest are off) and adds
-the Ray wiring: hidden-state blocks go to SAE workers through :class:`RaySAESink` (or, with
-``sae.mode: inline``, the actor encodes each step itself and sends the rows to the StoreActor, so
-events and streams carry features); each request's row goes to the StoreActor and its payload to
-the IngestActor, both without waiting. It is a threaded actor: each concurrent call waits in its
-own thread while the engine's one step loop runs every request in flight as one batch.
+the Ray wiring: the engine's SAE hand-off, built by the engine's one factory, ships hidden-state
+blocks to SAE workers through :class:`RayWorkerTransport` (or, with ``sae.mode: inline``, the
+actor encodes each step itself and sends the rows to the StoreActor, so events and streams carry
+features); each request's row goes to the StoreActor and its payload to the IngestActor, both
+without waiting. It is a threaded actor: each concurrent call waits in its own thread while the
+engine's one step loop runs every request in flight as one batch.
 
 Two ways in, one batch: ``generate(request)`` (Ray Jobs: one whole request per call) and
 ``stream(request)`` (the Serve replica: a Ray streaming generator that hands back each token as
@@ -26,17 +27,19 @@ import ray
 
 from engine import Engine
 from engine.config import RaylensConfig
+from engine.core.inputs import GenerationRequest
 from engine.core.result import GenerationResult
 from engine.core.stream import RequestHandle
-from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
+from engine.services.sae_blocks import BlockMeta
+from engine.services.sae_handoff import SAEHandoff
 
-from .sae_handoff import RaySAESink
+from .sae_handoff import RayWorkerTransport
 from .versioning import code_version
 
 __all__ = ["GeneratorActor", "local_engine_config", "portable_error", "STREAM_STARTED", "STREAM_RESULT"]
 
-STREAM_STARTED = "started"  # the first item ``stream`` yields: {"started": request_id}
-STREAM_RESULT = "result"  # the last: {"result": the result's dict}; every item between is a stream event
+STREAM_STARTED = "started"  # the first item ``stream`` yields: {"started": EngineRequest}
+STREAM_RESULT = "result"  # the last: {"result": GenerationResult}; every item between is a stream event
 CONTROL = "control"  # concurrency group of the small calls that must not wait behind streams
 
 
@@ -48,6 +51,15 @@ def local_engine_config(config: RaylensConfig) -> RaylensConfig:
         sae=dataclasses.replace(config.sae, enabled=False),
         ingest=dataclasses.replace(config.ingest, url=None),
     )
+
+
+def _checked(request: Any) -> GenerationRequest:
+    """Only a :class:`GenerationRequest` crosses into the actor (the caller built and checked it)."""
+    if not isinstance(request, GenerationRequest):
+        raise TypeError(f"GeneratorActor takes an engine.core.inputs.GenerationRequest, got {type(request).__name__}")
+    if any(callable(m) for m in request.mods):
+        raise TypeError("mods sent to the GeneratorActor must be payload dicts or paths, not loaded callables")
+    return request
 
 
 def portable_error(err: BaseException) -> BaseException:
@@ -89,38 +101,34 @@ class GeneratorActor:
         self.engine = Engine(local_engine_config(self.config))
         self.store = store
         self.ingest = ingest
-        self.sink: RaySAESink | None = None
         self._pending: list[Any] = []  # fire-and-forget calls to store/ingest, settled by drain()
         self._lock = threading.Lock()  # calls run on several threads
-        sae = self.config.sae
-        if sae.enabled and sae.mode == "inline":
-            self.engine.use_sae(self._inline_recorder())
-        elif sae.enabled and sae_workers:
-            self.sink = RaySAESink(sae_workers, store, layer=sae.layer, block_steps=sae.block_steps,
-                                   max_inflight=self.config.ray.max_inflight_blocks,
-                                   skip_first_position=sae.skip_first_position, timeout_s=self.config.ray.call_timeout_s)
-            self.engine.attach_hidden_sink(self.sink, sae.layer)
+        if self.config.sae.enabled:
+            self.engine.use_sae(self._sae_handoff(sae_workers))
         self._streams: dict[str, RequestHandle] = {}  # streamed requests in flight, for cancel()
         self.requests = 0
         self.tokens = 0
         self.cancelled = 0
 
-    def _inline_recorder(self) -> ActivationRecorder:
-        """``sae.mode: inline``: this actor encodes every step itself, before the step's events, so
-        mods see ``event.sae_features``, Steer works and streams (the Serve replica's sockets)
-        carry each token's features; the rows still go to the single writer, the StoreActor."""
+    def _sae_handoff(self, sae_workers: list[Any]) -> SAEHandoff:
+        """The engine's SAE hand-off, its mode chosen from ``sae`` by the engine's factory: nearline,
+        blocks go to the SAE workers; ``inline``, this actor encodes every step itself, before the
+        step's events, so mods see ``event.sae_features``, Steer works and streams (the Serve
+        replica's sockets) carry each token's features — its rows still go to the single writer,
+        the StoreActor."""
         def write(rows: Any, batch_id: str, request_id: str) -> int:
             ref = self.store.append.remote(rows, batch_id, request_id)
             with self._lock:
                 self._pending.append(ref)
             return rows.num_rows
 
-        def missing(block: HiddenBlock, reason: str) -> None:
-            ref = self.store.record_missing.remote(**block.meta().ledger(), reason=reason[:2000])
+        def missing(block: BlockMeta, reason: str) -> None:
+            ref = self.store.record_missing.remote(**block.ledger(), reason=reason)
             with self._lock:
                 self._pending.append(ref)
 
-        return self.engine.sae_recorder(write, missing, mode="inline")
+        return self.engine.sae_recorder(write, missing, ray=True,
+                                        remote=lambda: RayWorkerTransport(sae_workers, self.store))
 
     @ray.method(concurrency_group=CONTROL)
     def version(self) -> str:
@@ -142,33 +150,35 @@ class GeneratorActor:
         """``Engine.encode`` (chat template and all), so a replica tokenizes exactly as requests are."""
         return self.engine.encode(prompt, **kwargs)
 
-    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        """One request (the keyword arguments of ``Engine.generate``) → the result's JSON-able dict."""
+    def generate(self, request: GenerationRequest) -> GenerationResult:
+        """One request → its result, :meth:`~engine.core.result.GenerationResult.portable` (the
+        events and the payload stay here; the payload goes to the IngestActor)."""
         started = time.perf_counter()
         try:
-            result: GenerationResult = self.engine.generate(**request)
+            result: GenerationResult = self.engine.generate(_checked(request))
         except Exception as err:
             raise portable_error(err) from None
         return self._record(result, started)
 
     @ray.method(num_returns="streaming")
-    def stream(self, request: dict[str, Any]) -> Iterator[Any]:
-        """One request (the keyword arguments of ``Engine.submit``) as a Ray streaming generator:
-        ``{"started": request_id}`` once it is queued (bad input raises the engine's typed error
-        before that), then each :class:`~engine.core.stream.TokenEvent` / ``Erased`` as the step
-        loop commits it, then ``{"result": …}``: the result's dict plus ``prompt_ids``,
-        ``sequence_ids`` and ``token_logprobs``. Recorded like :meth:`generate` (store row, ingest
-        payload, counters). A caller that stops reading should :meth:`cancel` the request: Ray
-        does not interrupt a running method of a threaded actor."""
+    def stream(self, request: GenerationRequest) -> Iterator[Any]:
+        """One request as a Ray streaming generator: ``{"started": EngineRequest}`` (its
+        :meth:`~engine.core.request.EngineRequest.portable` form: ids, stop set, limits) once it is
+        queued (bad input raises the engine's typed error before that), then each
+        :class:`~engine.core.stream.TokenEvent` / ``Erased`` as the step loop commits it, then
+        ``{"result": GenerationResult}`` (portable, as :meth:`generate` returns it). Recorded
+        like :meth:`generate` (store row, ingest payload, counters). A caller that stops reading
+        should :meth:`cancel` the request: Ray does not interrupt a running method of a threaded
+        actor."""
         started = time.perf_counter()
         try:
-            handle = self.engine.submit(**request)
+            handle = self.engine.submit(_checked(request))
         except Exception as err:
             raise portable_error(err) from None
         with self._lock:
             self._streams[handle.request_id] = handle
         try:
-            yield {STREAM_STARTED: handle.request_id}
+            yield {STREAM_STARTED: handle.request.portable()}
             for event in handle:
                 yield event
             result: GenerationResult = handle.result()
@@ -181,10 +191,7 @@ class GeneratorActor:
         finally:
             with self._lock:
                 self._streams.pop(handle.request_id, None)
-        out = self._record(result, started)
-        out.update(prompt_ids=list(result.prompt_ids), sequence_ids=list(result.sequence_ids),
-                   token_logprobs=result.token_logprobs)
-        yield {STREAM_RESULT: out}
+        yield {STREAM_RESULT: self._record(result, started)}
 
     @ray.method(concurrency_group=CONTROL)
     def cancel(self, request_id: str) -> bool:
@@ -203,8 +210,9 @@ class GeneratorActor:
         except Exception:  # the request failed or never ended: nothing to record
             pass
 
-    def _record(self, result: GenerationResult, started: float) -> dict[str, Any]:
-        """Send the result's store row and ingest payload (without waiting), count it; its dict."""
+    def _record(self, result: GenerationResult, started: float) -> GenerationResult:
+        """Send the result's store row and ingest payload (without waiting), count it; its
+        portable form for the caller."""
         pending = []
         if self.config.activations.enabled:
             pending.append(self.store.record_request.remote(self.engine.request_record(result)))
@@ -214,15 +222,11 @@ class GeneratorActor:
             self.requests += 1
             self.tokens += len(result.sequence_ids)
             self.cancelled += str(result.finish_reason) == "cancelled"
-        out = result.to_dict()
-        out["metadata"]["actor_ms"] = round((time.perf_counter() - started) * 1000.0, 3)
-        return out
+        return result.portable(actor_ms=round((time.perf_counter() - started) * 1000.0, 3))
 
     def drain(self) -> dict[str, Any]:
         """Wait for every SAE block and store/ingest call this generator started; then report."""
-        if self.sink is not None:
-            self.sink.drain()
-        self.engine.flush()  # an inline recorder's last rows
+        self.engine.flush()  # the SAE hand-off's last blocks
         with self._lock:
             pending, self._pending = self._pending, []
         ray.get(pending, timeout=self.config.ray.call_timeout_s)
@@ -239,8 +243,6 @@ class GeneratorActor:
         stats["batch"] = {"steps": loop.steps, "max_active": loop.max_active, "waits_for_room": loop.waits_for_room,
                           "deferred_announcements": loop.deferred_announcements,
                           "mean_launch_gap_ms": round(loop.mean_launch_gap_ms, 3)}
-        if self.sink is not None:
-            stats["sae"] = {**dataclasses.asdict(self.sink.stats), "backlog": self.sink.backlog}
-        elif self.engine.recorder is not None:
-            stats["sae"] = {"mode": "inline", **self.engine.recorder.stats.as_dict()}
+        if self.engine.recorder is not None:
+            stats["sae"] = self.engine.recorder.report()
         return stats

@@ -61,6 +61,9 @@ def _require(obj: Any, prefix: str, checks: list[tuple[str, bool, str]]) -> None
 I32_MAX = 2**31 - 1
 #: ``torch.Generator.manual_seed`` takes at most 64 bits.
 SEED_MAX = 2**64 - 1
+# A temperature under this samples like greedy decoding anyway, and far smaller ones overflow
+# logits / temperature in float32 (NaN probabilities): such values are refused, asking for 0.
+MIN_TEMPERATURE = 1e-4
 #: The ingest backend's ``request_id`` column (VARCHAR(255)).
 REQUEST_ID_MAX_CHARS = 255
 #: Bounds of the mod-log limits: room for a truncation marker, and 8 M characters (up to 48 MiB
@@ -194,6 +197,9 @@ class GenerationConfig:
             ("max_tokens", not _is_int(max_tokens) or max_tokens <= I32_MAX, f"<= {I32_MAX} (32 bits)"),
             ("temperature", _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
              ">= 0 and finite (0 is greedy)"),
+            # a vanishing temperature is refused, never lifted to a floor behind the caller's back
+            ("temperature", not (_is_real(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE),
+             f"0 (greedy) or >= {MIN_TEMPERATURE:g}"),
             ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", _is_int(top_k) and 0 <= top_k <= I32_MAX, f">= 0 and <= {I32_MAX} (0 disables top-k)"),
             ("step_limit", step_limit is None or (_is_int(step_limit) and 1 <= step_limit <= I32_MAX),
@@ -269,7 +275,9 @@ class SAEConfig:
     """SAE feature extraction. ``sae_id``: a name in ``engine.services.sae.SAE_REGISTRY`` or an SAE directory
     in sae-lens format. ``nearline`` encodes on a background worker in blocks of ``block_steps``
     forward passes (at most ``max_pending_blocks`` waiting: then the token loop waits, nothing is
-    dropped); ``inline`` encodes inside the token loop."""
+    dropped); ``inline`` encodes inside the token loop. A block whose hand-off fails is tried
+    ``retry_attempts`` times in all, ``retry_backoff_s`` (doubling) apart, whichever transport
+    carries it, then recorded in ``missing_blocks``."""
 
     enabled: bool = False
     mode: Literal["nearline", "inline"] = "nearline"
@@ -281,13 +289,18 @@ class SAEConfig:
     block_steps: int = 16
     max_pending_blocks: int = 64
     skip_first_position: bool = True  # position 0 is an attention sink; SAEs are trained without it
+    retry_attempts: int = 3
+    retry_backoff_s: float = 0.05
     neuronpedia_url: str | None = None  # feature explanations; off unless set
 
     def __post_init__(self) -> None:
         _check_device(self.device)
         _require(self, "sae.", [("layer", self.layer >= 0, ">= 0"), ("top_k", self.top_k >= 1, ">= 1"),
                                  ("block_steps", self.block_steps >= 1, ">= 1"),
-                                 ("max_pending_blocks", self.max_pending_blocks >= 1, ">= 1")])
+                                 ("max_pending_blocks", self.max_pending_blocks >= 1, ">= 1"),
+                                 ("retry_attempts", self.retry_attempts >= 1, ">= 1"),
+                                 ("retry_backoff_s", _is_real(self.retry_backoff_s) and math.isfinite(
+                                     self.retry_backoff_s) and self.retry_backoff_s >= 0, "a finite number >= 0")])
         if self.mode not in ("nearline", "inline"):
             raise ConfigError(f"`sae.mode` must be nearline or inline, got {self.mode!r}", parameter="mode",
                               value=self.mode)

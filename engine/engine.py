@@ -15,17 +15,18 @@ import dataclasses
 import gc
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from engine.config import GenerationConfig, RaylensConfig, check_request_id, load_config
-from engine.core.request import GenerationRequest, HiddenSink, RequestState
+from engine.config import RaylensConfig, load_config
+from engine.core.input_processor import InputProcessor
+from engine.core.inputs import GenerationRequest, as_request
+from engine.core.request import HiddenSink, RequestState
 from engine.core.result import FinishReason, GenerationResult
 from engine.core.rules import Rules
 from engine.core.step_loop import Entry, StepLoop
 from engine.core.stream import RequestHandle, StreamEvent
-from engine.errors import ConfigError, ContextOverflowError, InvalidRequestError, check_request_token_ids
+from engine.errors import InvalidRequestError
 from engine.model import Backend, create_backend
 from engine.model.capture import CapturePlan, event_plan
 from engine.model.hook_names import resid_post
@@ -34,7 +35,8 @@ from engine.model.tensor import TensorShim
 from engine.services.ingest_client import IngestClient
 from engine.services.ingest_payload import PayloadBuilder
 from engine.services.sae import SAEEncoder, SteeringDirections
-from engine.services.sae_blocks import ActivationRecorder, HiddenBlock
+from engine.services.sae_blocks import BlockMeta
+from engine.services.sae_handoff import BlockTransport, LocalTransport, SAEHandoff, build_handoff
 from engine.services.store import ActivationStore, RequestRecord
 from mods import conversation
 from mods.legacy_names import install_legacy_names
@@ -42,9 +44,8 @@ from mods.loading import ModSpec, resolve_mods
 from mods.manager import ModManager, mod_name
 from mods.types import ModEvent
 
-__all__ = ["Engine", "load_mods"]
+__all__ = ["Engine", "GenerationRequest", "load_mods"]
 
-MAX_TOP_LOGPROBS = 20
 
 
 def load_mods(specs: Sequence[ModSpec] | None, *, allowed_dirs: Sequence[str] = ()) -> list[Callable[..., Any]]:
@@ -53,17 +54,6 @@ def load_mods(specs: Sequence[ModSpec] | None, *, allowed_dirs: Sequence[str] = 
     from ``allowed_dirs`` (the config's ``generation.mod_dirs``)."""
     install_legacy_names(tensor_class=TensorShim)
     return resolve_mods(specs, allowed_dirs=allowed_dirs)
-
-
-def _check_messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("`messages` must be a non-empty list of {role, content} objects",
-                                  parameter="messages", value=type(messages).__name__)
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise InvalidRequestError(f"`messages[{i}]` must be an object with a string `role`, got {message!r}",
-                                      parameter=f"messages[{i}]", value=message)
-    return messages
 
 
 _unfreeze_at_exit = False
@@ -94,7 +84,7 @@ class Engine:
         self._active: set[str] = set()
         self._lock = threading.Lock()
         self.store: ActivationStore | None = None
-        self.recorder: ActivationRecorder | None = None
+        self.recorder: SAEHandoff | None = None
         self._sink: HiddenSink | None = None
         self._sink_layer: int | None = None
         backend_cfg = self.backend.config
@@ -106,16 +96,23 @@ class Engine:
         if config.sae.enabled:
             self.use_sae(self._build_recorder())
         self.loop = StepLoop.for_backend(self.backend)
+        info = self.backend.info
+        self.processor = InputProcessor(
+            tokenizer=self.backend.tokenizer(), vocab_size=info.vocab_size, max_context=info.max_context,
+            max_sequence=self.backend.max_sequence, eos_token_ids=info.eos_token_ids,
+            defaults=config.generation, load_mods=lambda specs, dirs: load_mods(specs, allowed_dirs=dirs))
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
         freeze_startup_objects()
 
-    def use_sae(self, recorder: ActivationRecorder) -> None:
-        """Encode every forward's residual stream with ``recorder`` (its SAE's layer): inline, its
-        features ride on events and streams, and Steer actions use its decoder directions. The
-        Ray generator hands in one that writes through the StoreActor."""
-        self.recorder = recorder
-        self.attach_hidden_sink(recorder, recorder.encoder.identity.layer)
-        self._steering = SteeringDirections(recorder.encoder)
+    def use_sae(self, handoff: SAEHandoff) -> None:
+        """Send every forward's residual stream at the SAE's layer through ``handoff``. With the SAE
+        in this process, Steer actions use its decoder directions and, inline, its features ride
+        on events and streams. The Ray generator hands in one that writes through the StoreActor
+        or ships blocks to SAE workers."""
+        self.recorder = handoff
+        self.attach_hidden_sink(handoff, handoff.layer)
+        if handoff.encoder is not None:
+            self._steering = SteeringDirections(handoff.encoder)
 
     def attach_hidden_sink(self, sink: HiddenSink, layer: int) -> None:
         """Subscribe ``sink`` to every forward's residual stream after ``layer`` (the Ray
@@ -128,7 +125,7 @@ class Engine:
         self._event_names = event_plan(self.backend.config.hidden_state_layer, hidden_states=hidden_states,
                                        attention=attention)
 
-    def _build_recorder(self) -> ActivationRecorder:
+    def _build_recorder(self) -> SAEHandoff:
         """Load the SAE and route its encoded rows to this engine's store."""
         store = self.store
         assert store is not None  # RaylensConfig refuses sae.enabled without activations.enabled
@@ -136,23 +133,27 @@ class Engine:
         def write(rows: Any, batch_id: str, request_id: str) -> int:
             return store.append_activations(rows, batch_id=batch_id, request_id=request_id)
 
-        def missing(block: HiddenBlock, reason: str) -> None:
-            store.record_missing_block(**block.meta().ledger(), reason=reason)
+        def missing(block: BlockMeta, reason: str) -> None:
+            store.record_missing_block(**block.ledger(), reason=reason)
 
         return self.sae_recorder(write, missing)
 
-    def sae_recorder(self, write: Callable[[Any, str, str], int], missing: Callable[[HiddenBlock, str], None], *,
-                     mode: str | None = None) -> ActivationRecorder:
-        """The config's SAE (``sae`` settings, whether or not ``sae.enabled``) loaded for this
-        model, encoding in ``mode`` (default ``sae.mode``); ``write``/``missing`` decide where its
-        rows and failed blocks go: this engine's store, or the StoreActor of a Ray generator."""
+    def sae_recorder(self, write: Callable[[Any, str, str], int], missing: Callable[[BlockMeta, str], None], *,
+                     ray: bool = False, remote: Callable[[], BlockTransport] | None = None) -> SAEHandoff:
+        """The config's SAE hand-off (``sae`` settings, whether or not ``sae.enabled``), its mode
+        chosen by :func:`~engine.services.sae_handoff.build_handoff`. In process, the SAE is loaded
+        for this model and ``write``/``missing`` decide where its rows and failed blocks go: this
+        engine's store, or the StoreActor of a Ray generator (``ray``), whose SAE workers'
+        transport ``remote`` carries nearline blocks."""
         sae, info = self.config.sae, self.backend.info
-        encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
-                                  model_layers=info.num_layers,
-                                  device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
-        return ActivationRecorder(encoder, write, missing, mode=mode or sae.mode, block_steps=sae.block_steps,
-                                  max_pending_blocks=sae.max_pending_blocks, model_id=info.model_id,
-                                  skip_first_position=sae.skip_first_position)
+
+        def local(threaded: bool) -> LocalTransport:
+            encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
+                                      model_layers=info.num_layers,
+                                      device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
+            return LocalTransport(encoder, write, missing, model_id=info.model_id, threaded=threaded)
+
+        return build_handoff(self.config, ray=ray, local=local, remote=remote)
 
     @classmethod
     def from_config(cls, path: str | Path | None = None, *,
@@ -171,7 +172,7 @@ class Engine:
         return self.recorder is not None and self.recorder.mode == "inline"
 
     def flush(self) -> None:
-        """Wait until every hidden-state block handed to the nearline encoder is stored."""
+        """Wait until every hidden-state block handed off is stored (or recorded missing)."""
         if self.recorder is not None:
             self.recorder.drain()
 
@@ -211,41 +212,8 @@ class Engine:
     def encode(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
                input_ids: Sequence[int] | None = None, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids for exactly one of ``prompt`` (a user turn), ``messages`` or ``input_ids``."""
-        given = [name for name, value in (("prompt", prompt), ("messages", messages), ("input_ids", input_ids))
-                 if value is not None]
-        if len(given) != 1:
-            raise InvalidRequestError(f"give exactly one of prompt, messages, input_ids; got {given or 'none'}",
-                                      parameter="prompt")
-        if input_ids is not None:
-            ids = self._check_ids(input_ids, "input_ids")
-            if not ids:
-                raise InvalidRequestError("`input_ids` must not be empty", parameter="input_ids", value=[])
-            return ids
-        if prompt is not None:
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise InvalidRequestError("`prompt` must be a non-empty string", parameter="prompt", value=prompt)
-            messages = [{"role": "user", "content": prompt}]
-        tokenizer = self.tokenizer
-        messages = _check_messages(messages)
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-            return list(tokenizer.encode(text, add_special_tokens=False))
-        if prompt is not None:
-            return list(tokenizer.encode(prompt))
-        raise InvalidRequestError("this model's tokenizer has no chat template; pass `prompt` or `input_ids`",
-                                  parameter="messages")
-
-    def _generation_config(self, **overrides: Any) -> GenerationConfig:
-        given = {k: v for k, v in overrides.items() if v is not None}
-        if "stop_tokens" in given:
-            given["stop_tokens"] = tuple(self._check_ids(given["stop_tokens"], "stop_tokens"))
-        try:
-            return dataclasses.replace(self.config.generation, **given)
-        except ConfigError as err:
-            raise InvalidRequestError(str(err), parameter=err.parameter, value=err.value) from None
-
-    def _check_ids(self, ids: Any, what: str) -> list[int]:
-        return check_request_token_ids(ids, self.backend.info.vocab_size, what)
+        return self.processor.encode(GenerationRequest(prompt=prompt, messages=messages, input_ids=input_ids,
+                                                       tools=tools))
 
     def _claim(self, request_id: str) -> None:
         with self._lock:
@@ -254,103 +222,53 @@ class Engine:
                                           value=request_id)
             self._active.add(request_id)
 
-    def submit(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: Sequence[int] | None = None,
-        mods: Sequence[ModSpec] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop_tokens: Sequence[int] | None = None,
-        ignore_eos: bool | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        response_format: dict[str, Any] | None = None,
-        request_id: str | None = None,
-        on_event: Callable[[ModEvent], None] | None = None,
-        banned_tokens: Sequence[int] | None = None,
-        repetition_penalty: float | None = None,
-        top_logprobs: int | None = None,
-        attention: str | None = None,
-        block: bool = True,
-        timeout: float | None = None,
-    ) -> RequestHandle:
+    def submit(self, request: GenerationRequest | str | None = None, /, *,
+               on_event: Callable[[ModEvent], None] | None = None, block: bool = True,
+               timeout: float | None = None, **fields: Any) -> RequestHandle:
         """Queue one request in the shared step loop and return its handle (iterate it for the
         token stream; ``result()`` for the :class:`GenerationResult`). Bad input raises here.
 
-        ``banned_tokens``: ids never sampled. ``repetition_penalty``: > 0, 1.0 is off.
-        ``top_logprobs``: None/-1 no log-probs, 0 each token's, k ≤ 20 also its k best
-        alternatives. ``attention="all"``: each streamed token carries every layer's newest
-        attention row. With every slot and the wait queue full, ``block`` waits (up to
+        ``request`` is a :class:`~engine.core.inputs.GenerationRequest`, or its fields are given as
+        keywords (a positional string is the ``prompt``). ``on_event`` sees every mod event as it
+        is dispatched. With every slot and the wait queue full, ``block`` waits (up to
         ``timeout``) for room; ``block=False`` raises :class:`~engine.errors.QueueFullError`.
         """
-        gen = self._generation_config(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                      seed=seed, stop_tokens=stop_tokens, ignore_eos=ignore_eos)
+        processed = self.processor.process(as_request(request, fields))
         info = self.backend.info
-        ids = self._check_ids(self.encode(prompt, messages=messages, input_ids=input_ids, tools=tools), "input_ids")
-        limit = min(info.max_context, self.backend.max_sequence)
-        if len(ids) >= limit:
-            raise ContextOverflowError(f"the prompt must be shorter than {limit} tokens (the model's context and "
-                                       f"backend.max_sequence), got {len(ids)}; shorten it",
-                                       parameter="input_ids", value=len(ids))
-        banned = tuple(self._check_ids(banned_tokens or (), "banned_tokens"))
-        if repetition_penalty is not None and not (isinstance(repetition_penalty, (int, float))
-                                                   and 0 < repetition_penalty < float("inf")):
-            raise InvalidRequestError(f"`repetition_penalty` must be a finite number > 0, got {repetition_penalty!r}",
-                                      parameter="repetition_penalty", value=repetition_penalty)
-        logprobs = -1 if top_logprobs is None else int(top_logprobs)
-        if not -1 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(f"`top_logprobs` must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}",
-                                      parameter="top_logprobs", value=top_logprobs)
-        if attention not in (None, "all"):
-            raise InvalidRequestError(f"`attention` must be None or 'all', got {attention!r}", parameter="attention",
-                                      value=attention)
-        loaded = load_mods(mods, allowed_dirs=gen.mod_dirs)
-        request_id = check_request_id(request_id) if request_id is not None else str(uuid.uuid4())
-        stop_ids = frozenset(gen.stop_tokens or ()) | (frozenset() if gen.ignore_eos else frozenset(info.eos_token_ids))
-        request = GenerationRequest(
-            request_id=request_id, input_ids=tuple(ids), max_tokens=gen.max_tokens,
-            sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k, banned,
-                                    float(repetition_penalty) if repetition_penalty is not None else 1.0),
-            stop_ids=stop_ids, step_limit=gen.effective_step_limit, seed=gen.seed, logprobs=logprobs,
-            attention_all_layers=attention == "all",
-        )
+        request_id = processed.request_id
         names = set(self._event_names)
         if self._sink is not None:
             names.add(resid_post(self._sink_layer))  # type: ignore[arg-type]
-        if attention == "all":
+        if processed.attention_all_layers:
             names.update(f"blocks.{layer}.attn.hook_pattern" for layer in range(info.num_layers))
         plan = CapturePlan.of(names, info.num_layers)
-        user_prompt = prompt if prompt is not None else next(
-            (m.get("content") for m in messages or [] if m.get("role") == "user" and isinstance(m.get("content"), str)),
-            None)
+        source: GenerationRequest = processed.source
+        user_prompt = source.user_prompt
+        loaded = processed.mods
         builder = PayloadBuilder(request_id, tokenizer=self.tokenizer, request={
             "model": info.model_id[:255],
-            "max_tokens": gen.max_tokens,
-            "temperature": gen.temperature,
+            "max_tokens": processed.max_tokens,
+            "temperature": processed.sampling.temperature,
             "mod_text": ", ".join(mod_name(m) for m in loaded) or None,
             "active_mod_name": mod_name(loaded[-1])[:255] if loaded else None,
             "user_prompt": user_prompt,
             "user_prompt_token_ids": self.tokenizer.encode(user_prompt, add_special_tokens=False)
             if user_prompt else None,
         }, limits=self.config.ingest)
-        manager = ModManager(loaded, tokenizer=self.tokenizer, call_timeout_s=gen.mod_call_timeout_s or None)
-        handle = RequestHandle(request_id)
+        manager = ModManager(list(loaded), tokenizer=self.tokenizer, call_timeout_s=processed.mod_call_timeout_s)
+        handle = RequestHandle(request_id, request=processed)
         state = RequestState(
-            request=request, manager=manager, payload=builder,
-            generator=make_generator(gen.seed, self.backend.device), plan=plan, prompt_ids=list(ids),
-            max_tokens=gen.max_tokens, forced_queue=manager.forced_queues.setdefault(request_id, []),
+            request=processed, manager=manager, payload=builder,
+            generator=make_generator(processed.seed, self.backend.device), plan=plan,
+            prompt_ids=list(processed.input_ids), max_tokens=processed.max_tokens,
+            forced_queue=manager.forced_queues.setdefault(request_id, []),
             event_layer=self.backend.config.hidden_state_layer, on_event=on_event, hidden_sink=self._sink,
             stream=handle, started_at=time.perf_counter(),
         )
         self._claim(request_id)
-        conversation.set_conversation(request_id, messages if messages is not None else (
-            [{"role": "user", "content": prompt}] if prompt is not None else []))
-        conversation.set_schemas(request_id, conversation.schemas_from_request(response_format, tools))
+        conversation.set_conversation(request_id, source.conversation)
+        conversation.set_schemas(request_id, conversation.schemas_from_request(
+            source.response_format, list(source.tools) if source.tools is not None else None))
         try:
             with self._lock:
                 self._handles[request_id] = handle
@@ -361,50 +279,29 @@ class Engine:
             raise
         return handle
 
-    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[StreamEvent]:
+    def stream(self, request: GenerationRequest | str | None = None, /, **kwargs: Any) -> Iterator[StreamEvent]:
         """``iter(submit(...))``: token events as they are committed (see :meth:`submit`)."""
-        return iter(self.submit(prompt, **kwargs))
+        return iter(self.submit(request, **kwargs))
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        input_ids: Sequence[int] | None = None,
-        mods: Sequence[ModSpec] | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop_tokens: Sequence[int] | None = None,
-        ignore_eos: bool | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        response_format: dict[str, Any] | None = None,
-        request_id: str | None = None,
-        on_event: Callable[[ModEvent], None] | None = None,
-    ) -> GenerationResult:
-        """Generate one completion. Exactly one of ``prompt``, ``messages``, ``input_ids``.
-
-        ``mods``: callables, ``.py`` paths (``path.py:function`` picks one) or payload dicts,
-        called in order. Unset sampling parameters come from the config's ``generation`` section.
-        ``tools`` and ``response_format`` take the OpenAI shapes; with ``messages`` they are what
-        mods read through the conversation API (``get_conversation``, ``get_schemas``). Concurrent
-        calls share the step loop: each is one more row in the batch.
+    def generate(self, request: GenerationRequest | str | None = None, /, *,
+                 on_event: Callable[[ModEvent], None] | None = None, **fields: Any) -> GenerationResult:
+        """Generate one completion: ``submit(...).result()``. ``request`` is a
+        :class:`~engine.core.inputs.GenerationRequest` or its fields as keywords (exactly one of
+        ``prompt``, ``messages``, ``input_ids``; ``mods``: callables, ``.py`` paths or payload
+        dicts, called in order; unset sampling values come from the config's ``generation``
+        section). Concurrent calls share the step loop: each is one more row in the batch.
         """
-        return self.submit(prompt, messages=messages, input_ids=input_ids, mods=mods, max_tokens=max_tokens,
-                           temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop_tokens=stop_tokens,
-                           ignore_eos=ignore_eos, tools=tools, response_format=response_format,
-                           request_id=request_id, on_event=on_event).result()
+        return self.submit(request, on_event=on_event, **fields).result()
 
-    def candidates(self, prompt: str | None = None, *, n: int = 8, seed: int | None = 0, **kwargs: Any) -> list[Any]:
+    def candidates(self, request: GenerationRequest | str | None = None, /, *, n: int = 8, seed: int | None = 0,
+                   **kwargs: Any) -> list[Any]:
         """``n`` sampled completions as :class:`~engine.candidates.Candidate` (text, token ids,
         summed log-prob), highest log-prob first, generated as one batch. Takes ``generate``'s
         keyword arguments (``messages=``, ``input_ids=``, ``temperature``, ``top_p``, ``top_k``,
         ``max_tokens``, ``mods``, …); candidate ``i`` is seeded ``seed + i``."""
         from engine.candidates import generate_candidates
 
-        return generate_candidates(self, n=n, seed=seed, prompt=prompt, **kwargs)
+        return generate_candidates(self, as_request(request, kwargs), n=n, seed=seed)
 
     def _release(self, request_id: str) -> None:
         conversation.clear_request(request_id)
@@ -459,7 +356,7 @@ class Engine:
         if self._ingest is not None:
             delivery = self._ingest.send(payload)
             metadata["ingest"] = {"delivered": delivery.delivered, "spooled_to": delivery.spooled_to}
-        if self.recorder is not None:
+        if self.recorder is not None and self.recorder.encoder is not None:
             identity = self.recorder.encoder.identity
             metadata["sae"] = {"mode": self.recorder.mode, "release": identity.release, "sae_id": identity.sae_id,
                                "layer": identity.layer, "top_k": identity.top_k, **self.recorder.stats.as_dict()}
@@ -493,9 +390,10 @@ class Engine:
         residual stream after block ``layer``) pooled by ``"mean"`` or ``"last"``. Texts are
         plain text (no chat template, no BOS); each call runs fresh forwards, no cache reused.
         See :mod:`engine.model.embeddings`."""
-        from engine.model.embeddings import embed
+        from engine.model.embeddings import tokenize_texts
 
-        return embed(self.backend.model, self.tokenizer, texts, layer=layer, pool=pool, batch_size=batch_size)
+        ids = tokenize_texts(self.tokenizer, texts, self.backend.info.max_context)
+        return self.backend.embed(ids, layer=layer, pool=pool, batch_size=batch_size)
 
     def capture(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
                 input_ids: Sequence[int] | None = None, names: Sequence[str] = ("*",),
@@ -505,7 +403,5 @@ class Engine:
         batch dimension dropped, for every internal matching ``names`` (globs). With ``out``,
         also writes ``tensors.safetensors`` and ``manifest.json`` there. Capture never changes
         the model's outputs. See :mod:`engine.model.named_capture`."""
-        from engine.model.named_capture import capture
-
         ids = self.encode(prompt, messages=messages, input_ids=input_ids)
-        return capture(self.backend.model, ids, names, out=out, model_id=self.backend.info.model_id)
+        return self.backend.capture(ids, names, out=out)

@@ -1,10 +1,11 @@
-"""One request in the step loop: what was asked (:class:`GenerationRequest`) and everything its
-generation knows so far (:class:`RequestState`). The batch owns only tensors; each request owns its
+"""One request in the step loop: what was asked, processed (:class:`EngineRequest`, built only by
+:class:`engine.core.inputs.InputProcessor`), and everything its generation knows so far
+(:class:`RequestState`). The batch owns only tensors; each request owns its
 mods, forced queue, sampling generator, payload, capture plan and stream."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -16,11 +17,14 @@ from engine.model.sampling import SamplingParams
 from mods.manager import ModCall, ModManager
 from mods.types import ModAction, ModEvent
 
-__all__ = ["GenerationRequest", "RequestState", "PayloadSink", "HiddenSink", "ForwardRecord"]
+__all__ = ["EngineRequest", "RequestState", "PayloadSink", "HiddenSink", "ForwardRecord"]
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
+class EngineRequest:
+    """A validated request as the step loop runs it: token ids, resolved sampling, the stop set
+    and limits. ``source`` is the caller's :class:`~engine.core.inputs.GenerationRequest`."""
+
     request_id: str
     input_ids: tuple[int, ...]
     max_tokens: int
@@ -30,6 +34,14 @@ class GenerationRequest:
     seed: int | None = None
     logprobs: int = -1  # -1: none; 0: each token's log-prob; k > 0: also its k best alternatives
     attention_all_layers: bool = False  # stream every layer's newest attention row with each token
+    mods: tuple[Callable[..., Any], ...] = ()  # loaded, in call order
+    mod_call_timeout_s: float | None = None
+    source: Any = field(default=None, repr=False, compare=False)
+
+    def portable(self) -> "EngineRequest":
+        """This request for another process (a Serve replica reading a GeneratorActor's stream):
+        the same type without its loaded mods, which belong to the engine that loaded them."""
+        return replace(self, mods=(), source=None)
 
 
 class HiddenSink(Protocol):
@@ -70,7 +82,7 @@ class RequestState:
     and internals (None when the next step must run a forward first).
     """
 
-    request: GenerationRequest
+    request: EngineRequest
     manager: ModManager
     payload: PayloadSink
     generator: torch.Generator

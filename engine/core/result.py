@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -64,6 +64,13 @@ class GenerationResult:
     error: str | None = None
     sequence_ids: list[int] = field(default_factory=list, repr=False)
     token_logprobs: list[float | None] | None = field(default=None, repr=False)
+
+    def portable(self, **metadata: Any) -> "GenerationResult":
+        """This result for another process (a Ray job's driver, a Serve replica): the same type
+        without its events (every step's hidden states and attention) and its ingest payload,
+        which stay with the engine that ran the request (it delivers the payload itself);
+        ``metadata`` entries are added."""
+        return replace(self, events=[], payload={}, metadata={**self.metadata, **metadata})
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-able part: what the CLI prints with ``--json``."""

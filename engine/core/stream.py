@@ -59,8 +59,12 @@ _END = object()
 
 
 class RequestHandle:
-    def __init__(self, request_id: str) -> None:
+    """One request in flight. ``request``: the :class:`~engine.core.request.EngineRequest` it runs
+    (its token ids, stop set and limits: what a route needs to present the stream)."""
+
+    def __init__(self, request_id: str, request: Any = None) -> None:
         self.request_id = request_id
+        self.request = request
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._future: Future = Future()
         self._cancel = threading.Event()

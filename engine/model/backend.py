@@ -86,8 +86,14 @@ class ForwardRecord:
 
 @runtime_checkable
 class Backend(Protocol):
+    """Everything the engine asks of a model runtime. ``reference_model`` is the one way to the
+    model object itself, and only for *independent* references — a benchmark's plain-transformers
+    baseline, a test's ``generate``/``output_hidden_states`` — never for serving: a runtime whose
+    model is not a transformers module has none to give."""
+
     info: ModelInfo
     config: BackendConfig
+    device: Any  # torch.device the model's tensors live on (samplers' generators, logits edits)
 
     def tokenizer(self) -> Any: ...
 
@@ -109,6 +115,25 @@ class Backend(Protocol):
 
     def forward(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
         """One step's forwards for ``rows`` (each request at most once), outputs in row order."""
+        ...
+
+    def embed(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None, pool: str = "mean",
+              batch_size: int = 16) -> Any:
+        """``(len(token_ids), d)`` float32 numpy embeddings of plain-text token ids (one list per
+        text), from fresh forwards that use no slot: the final normed hidden states, or the
+        residual stream after block ``layer``, pooled by ``"mean"`` or ``"last"``
+        (:mod:`engine.model.embeddings`)."""
+        ...
+
+    def capture(self, input_ids: Sequence[int], names: Sequence[str], *, out: Any = None) -> dict[str, Any]:
+        """``{name: tensor}`` (batch dimension dropped, forward order) of every internal matching
+        ``names`` (globs) in one fresh forward over ``input_ids`` that uses no slot; with ``out``,
+        also written there (:mod:`engine.model.named_capture`)."""
+        ...
+
+    @property
+    def reference_model(self) -> Any:
+        """The underlying transformers model, for independent references only (see the class)."""
         ...
 
     def shutdown(self) -> None: ...

@@ -245,19 +245,15 @@ def split_rows(outputs: Any, plans: Sequence[CapturePlan], capture: AttentionCap
 def residual_stream(model: Any, input_ids: torch.Tensor, layer: int) -> torch.Tensor:
     """The residual stream after ``layer`` (``blocks.{layer}.hook_resid_post``) for
     ``input_ids (B, T)`` → ``(B, T, d)``, running only layers ``0..layer`` (SAE training data: the
-    layers above are never computed).
+    layers above are never computed). Read through the model's taps table
+    (:meth:`engine.model.taps.Taps.collect`); ``model`` is the model or its table.
 
     Equals ``model(..., output_hidden_states=True).hidden_states[hidden_states_index(layer)]`` for
-    full, unpadded causal sequences; the last layer's entry (which transformers ties to the
-    normed output) is not offered.
+    full, unpadded causal sequences (for the last layer: before the final norm, which
+    transformers' last entry has already applied).
     """
-    inner = model.model
-    check_layer(layer, len(inner.layers) - 1, parameter="layer")
-    if model.config._attn_implementation == "eager":  # eager would need an explicit causal mask
-        raise ValueError("residual_stream needs an SDPA-family attention implementation, not eager")
-    hidden = inner.embed_tokens(input_ids)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-    position_embeddings = inner.rotary_emb(hidden, position_ids=positions)
-    for block in inner.layers[: layer + 1]:  # attention_mask None + no cache: SDPA runs plainly causal
-        hidden = block(hidden, attention_mask=None, position_embeddings=position_embeddings, position_ids=positions)
-    return hidden
+    from engine.model.taps import taps_of  # taps builds on this module's attention_pattern
+
+    taps = taps_of(model)
+    name = resid_post(check_layer(layer, taps.num_layers, parameter="layer"))
+    return taps.collect(input_ids, [name])[name]

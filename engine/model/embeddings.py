@@ -33,7 +33,8 @@ import torch
 from engine.errors import ContextOverflowError, InvalidRequestError
 from engine.model.capture import check_layer
 from engine.model.hook_names import HookName, resid_post
-from engine.model.named_capture import hooks
+from engine.model.named_capture import check_input_ids
+from engine.model.taps import taps_of
 
 __all__ = ["Pool", "POOLS", "WIDTH_MULTIPLE", "embed", "tokenize_texts", "batches"]
 
@@ -85,14 +86,19 @@ def batches(lengths: Sequence[int], batch_size: int) -> list[tuple[int, list[int
             for start in range(0, len(members), batch_size)]
 
 
-def embed(model: Any, tokenizer: Any, texts: Sequence[str], *, layer: int | None = None, pool: str = "mean",
-          batch_size: int = 16) -> np.ndarray:
-    """``(len(texts), d)`` float32 embeddings, row ``i`` for ``texts[i]``.
+def embed(model: Any, token_ids: Sequence[Sequence[int]], *, pad_id: int | None = None, layer: int | None = None,
+          pool: str = "mean", batch_size: int = 16) -> np.ndarray:
+    """``(len(token_ids), d)`` float32 embeddings, row ``i`` for the text tokenised as
+    ``token_ids[i]`` (:func:`tokenize_texts`).
 
-    ``layer=None``: final hidden states after the final norm; ``layer=L``: the residual stream
-    after block ``L``. ``pool``: ``"mean"`` over the text's tokens or ``"last"`` token.
+    ``model``: a loaded model's :class:`~engine.model.taps.Taps` (or the model). ``layer=None``:
+    final hidden states after the final norm; ``layer=L``: the residual stream after block ``L``.
+    ``pool``: ``"mean"`` over the text's tokens or ``"last"`` token. ``pad_id`` fills the masked
+    columns (never attended; 0 when None).
     """
-    num_layers = int(model.config.num_hidden_layers)
+    taps = taps_of(model)
+    model = taps.model
+    num_layers = taps.num_layers
     if pool not in POOLS:
         raise InvalidRequestError(f"`pool` must be one of {', '.join(POOLS)}, got {pool!r}", parameter="pool",
                                   value=pool)
@@ -102,20 +108,22 @@ def embed(model: Any, tokenizer: Any, texts: Sequence[str], *, layer: int | None
         raise InvalidRequestError(f"`batch_size` must be an int >= 1, got {batch_size!r}", parameter="batch_size",
                                   value=batch_size)
     name = _FINAL if layer is None else resid_post(check_layer(layer, num_layers, parameter="layer"))
-    max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2**31 - 1)
-    ids = tokenize_texts(tokenizer, texts, max_context)
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) or not token_ids:
+        raise InvalidRequestError("`token_ids` must be a non-empty list of token id lists, got "
+                                  f"{type(token_ids).__name__}", parameter="token_ids", value=type(token_ids).__name__)
+    ids = [check_input_ids(model, text_ids) for text_ids in token_ids]
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # never attended: masked, at the end
+    pad = 0 if pad_id is None else int(pad_id)  # never attended: masked, at the end
     out = np.empty((len(ids), int(model.config.hidden_size)), dtype=np.float32)
-    decoder = getattr(model, "base_model", model)  # the LM head is not needed: skip its vocabulary-wide matmul
     for width, chunk in batches([len(t) for t in ids], batch_size):
         lengths = torch.tensor([len(ids[i]) for i in chunk], device=device)  # (B,)
         batch = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)  # (B, T)
         for row, i in enumerate(chunk):
             batch[row, : len(ids[i])] = torch.tensor(ids[i], device=device)
         mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # (B, T)
-        with hooks(model, [name]) as rec, torch.inference_mode():
-            decoder(input_ids=batch, attention_mask=mask.long(), use_cache=False)
-        hidden = rec.tensors(model)[name]  # (B, T, d)
+        # the decoder stack only: the LM head's vocabulary-wide matmul is not needed
+        with taps.record([name]) as rec, torch.inference_mode():
+            taps.base(input_ids=batch, attention_mask=mask.long(), use_cache=False)
+        hidden = rec.tensors()[name]  # (B, T, d)
         out[chunk] = _pool(hidden, mask, lengths, pool).cpu().numpy()
     return out

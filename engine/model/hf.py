@@ -33,8 +33,10 @@ from engine.model.capture import (
 )
 from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
+from engine.model.hook_names import resid_post
 from engine.model.kv_cache import BatchCacheView, SlotKVCache
 from engine.model.loading import load_model_and_tokenizer
+from engine.model.taps import taps_of
 
 __all__ = ["HuggingFaceBackend"]
 
@@ -58,6 +60,7 @@ class HuggingFaceBackend:
             model_id, cache_dir=config.model_cache_dir, device=self.device, dtype=self.dtype,
             attn_implementation=ensure_attention_registered(), hf_token=config.hf_token,
         )
+        self._taps = taps_of(self.model)  # every named internal's module, resolved once for this model
         mc = self.model.config
         self.layer = check_layer(config.hidden_state_layer, mc.num_hidden_layers)
         max_context = int(getattr(mc, "max_position_embeddings", 0) or 2**31 - 1)
@@ -100,6 +103,11 @@ class HuggingFaceBackend:
 
     def tokenizer(self) -> Any:
         return self._tokenizer
+
+    @property
+    def reference_model(self) -> Any:
+        """The transformers model itself: for independent references only (see :class:`Backend`)."""
+        return self.model
 
     @property
     def attention_implementation(self) -> str:
@@ -238,8 +246,8 @@ class HuggingFaceBackend:
 
     @contextlib.contextmanager
     def _steering(self, rows: Sequence[ForwardRow]):
-        """While rows steer: a hook on their layer adds each row's vector ``(d,)`` to the residual
-        stream it outputs (rows without a steer add zeros); removed in ``finally``."""
+        """While rows steer: the write tap of their layer's ``hook_resid_post`` adds each row's
+        vector ``(d,)`` to the residual stream the block outputs (rows without a steer add zeros)."""
         steered = [r for r in rows if r.steer is not None]  # delta (B, 1, d) broadcasts over q
         if not steered:
             yield
@@ -252,19 +260,24 @@ class HuggingFaceBackend:
         for b, row in enumerate(rows):
             if row.steer is not None:
                 delta[b, 0] = row.steer.to(device=self.device, dtype=self.dtype)
-
-        def add(module: Any, args: Any, output: Any) -> Any:
-            if isinstance(output, tuple):
-                return (output[0] + delta,) + tuple(output[1:])
-            return output + delta
-
-        handle = self.model.model.layers[layer].register_forward_hook(add)
-        try:
+        with self._taps.write(resid_post(layer), lambda resid: resid + delta):
             yield
-        finally:
-            handle.remove()
+
+    # ------------------------------------------------------------------ fresh forwards (no slots)
+
+    def embed(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None, pool: str = "mean",
+              batch_size: int = 16) -> Any:
+        from engine.model.embeddings import embed
+
+        return embed(self._taps, token_ids, pad_id=self._tokenizer.pad_token_id, layer=layer, pool=pool,
+                     batch_size=batch_size)
+
+    def capture(self, input_ids: Sequence[int], names: Sequence[str], *, out: Any = None) -> dict[str, Any]:
+        from engine.model.named_capture import capture
+
+        return capture(self._taps, input_ids, names, out=out, model_id=self.info.model_id)
 
     def shutdown(self) -> None:
         self._slots.clear()
         self._lengths.clear()
-        self.model = None
+        self.model = self._taps = None

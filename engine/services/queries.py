@@ -31,6 +31,13 @@ __all__ = [
     "decode_tokens",
     "parse_since",
     "check_int",
+    "feature_contexts",
+    "feature_histogram",
+    "feature_frequency",
+    "request_tokens",
+    "request_info",
+    "recent_requests",
+    "MAX_BROWSE_ROWS",
 ]
 
 Output = Literal["arrow", "pandas", "polars"]
@@ -184,3 +191,125 @@ def parse_since(text: str) -> timedelta:
         raise InvalidRequestError(f"`since` must be more than 0 and at most {MAX_AGE_DAYS}d, got {text!r}",
                                   parameter="since", value=text)
     return timedelta(**{unit: int(amount)})
+
+
+# ------------------------------------------------------------------- the feature browser's questions
+#
+# Positions: ``token_position`` indexes the request's final ``prompt_ids + output_ids`` (0-based).
+# One encoded token is one (request_id, step, token_position); a token Backtrack erased keeps its
+# rows under its own step, so a position may appear at two steps.
+
+MAX_BROWSE_ROWS = 500
+
+
+def feature_contexts(store: ActivationStore, feature_id: int, *, limit: int = 20, window: int = 8,
+                     output: Output = "arrow") -> Any:
+    """The tokens where ``feature_id`` is strongest, each with ``context_ids``: up to ``window``
+    tokens either side of it from the request's final prompt + output, ``context_start`` (the
+    position of ``context_ids[0]``), and the SAE that produced the row."""
+    check_int("feature", feature_id, 0)
+    check_int("limit", limit, 1, MAX_BROWSE_ROWS)
+    check_int("window", window, 0, 64)
+    sql = """
+        WITH best AS (
+            SELECT request_id, step, token_position, token_id, activation_value, sae_release, sae_layer
+            FROM activations WHERE feature_id = ?
+            ORDER BY activation_value DESC, request_id, step, token_position LIMIT ?
+        )
+        SELECT b.request_id, b.step, b.token_position, b.token_id, b.activation_value, b.sae_release, b.sae_layer,
+               greatest(0, b.token_position - ?) AS context_start,
+               list_slice(list_concat(r.prompt_ids, r.output_ids),
+                          greatest(0, b.token_position - ?) + 1, b.token_position + 1 + ?) AS context_ids
+        FROM best b LEFT JOIN requests r USING (request_id)
+        ORDER BY b.activation_value DESC, b.request_id, b.step, b.token_position
+    """
+    return _run(store, sql, [feature_id, limit, window, window, window], output)
+
+
+def feature_histogram(store: ActivationStore, feature_id: int, *, buckets: int = 20,
+                      output: Output = "arrow") -> Any:
+    """``buckets`` equal-width bins from the feature's lowest to its highest stored activation:
+    ``bucket, low, high, count`` (every bin, empty ones included; no rows when it never fired)."""
+    check_int("feature", feature_id, 0)
+    check_int("buckets", buckets, 1, 200)
+    sql = """
+        WITH v AS (SELECT activation_value AS a FROM activations WHERE feature_id = ?),
+        span AS (SELECT min(a) AS lo, max(a) AS hi FROM v),
+        binned AS (
+            SELECT least(CAST(floor((a - lo) / nullif(hi - lo, 0) * ?) AS INTEGER), ? - 1) AS bucket,
+                   count(*) AS n
+            FROM v, span GROUP BY 1
+        )
+        SELECT g.bucket, lo + (hi - lo) * g.bucket / ? AS low, lo + (hi - lo) * (g.bucket + 1) / ? AS high,
+               coalesce(b.n, 0) AS count
+        FROM span, (SELECT CAST(range AS INTEGER) AS bucket FROM range(?)) g
+        LEFT JOIN binned b ON coalesce(b.bucket, 0) = g.bucket
+        WHERE lo IS NOT NULL
+        ORDER BY g.bucket
+    """
+    return _run(store, sql, [feature_id, buckets, buckets, buckets, buckets, buckets], output)
+
+
+def feature_frequency(store: ActivationStore, feature_id: int, *, output: Output = "arrow") -> Any:
+    """One row: ``tokens_fired`` (stored tokens where the feature is in the top-k), ``tokens``
+    (all stored tokens), their ratio ``frequency``, and the feature's peak and mean activation."""
+    check_int("feature", feature_id, 0)
+    sql = """
+        WITH tokens AS (SELECT count(*) AS n FROM (SELECT DISTINCT request_id, step, token_position FROM activations)),
+        fired AS (
+            SELECT count(*) AS n, max(peak) AS peak, avg(peak) AS mean FROM (
+                SELECT max(activation_value) AS peak FROM activations WHERE feature_id = ?
+                GROUP BY request_id, step, token_position)
+        )
+        SELECT fired.n AS tokens_fired, tokens.n AS tokens,
+               CASE WHEN tokens.n = 0 THEN 0.0 ELSE fired.n / tokens.n END AS frequency,
+               fired.peak AS max_activation, fired.mean AS mean_activation
+        FROM fired, tokens
+    """
+    return _run(store, sql, [feature_id], output)
+
+
+def request_tokens(store: ActivationStore, request_id: str, *, top: int = 5, max_tokens: int = MAX_BROWSE_ROWS,
+                   output: Output = "arrow") -> Any:
+    """A request's encoded tokens in order (``step, token_position, token_id``), each with its
+    ``top`` strongest features: ``feature_ids`` and ``activations``, strongest first."""
+    check_int("top", top, 1, 64)
+    check_int("max_tokens", max_tokens, 1, 100_000)
+    sql = """
+        SELECT step, token_position, any_value(token_id) AS token_id,
+               list_slice(list(feature_id ORDER BY activation_value DESC, feature_id), 1, ?) AS feature_ids,
+               list_slice(list(activation_value ORDER BY activation_value DESC, feature_id), 1, ?) AS activations
+        FROM activations WHERE request_id = ?
+        GROUP BY step, token_position
+        ORDER BY token_position, step
+        LIMIT ?
+    """
+    return _run(store, sql, [top, top, request_id, max_tokens], output)
+
+
+def request_info(store: ActivationStore, request_id: str, *, output: Output = "arrow") -> Any:
+    """The request's record (text, ids, finish) and how many activation rows it has; no rows when
+    neither table knows the id."""
+    sql = """
+        WITH rows AS (SELECT count(*) AS n FROM activations WHERE request_id = ?)
+        SELECT ? AS request_id, r.created_at, r.model_id, r.prompt_text, r.output_text, r.prompt_ids,
+               r.output_ids, r.finish_reason, rows.n AS activation_rows
+        FROM rows LEFT JOIN requests r ON r.request_id = ?
+        WHERE r.request_id IS NOT NULL OR rows.n > 0
+    """
+    return _run(store, sql, [request_id, request_id, request_id], output)
+
+
+def recent_requests(store: ActivationStore, *, limit: int = 50, output: Output = "arrow") -> Any:
+    """The newest requests (by ``created_at``) with a preview of their text and row counts."""
+    check_int("limit", limit, 1, MAX_BROWSE_ROWS)
+    sql = """
+        SELECT r.request_id, r.created_at, r.model_id, left(r.prompt_text, 200) AS prompt_preview,
+               left(r.output_text, 200) AS output_preview, r.finish_reason,
+               coalesce(len(r.prompt_ids), 0) + coalesce(len(r.output_ids), 0) AS tokens,
+               (SELECT count(*) FROM activations a WHERE a.request_id = r.request_id) AS activation_rows
+        FROM requests r
+        ORDER BY r.created_at DESC, r.request_id
+        LIMIT ?
+    """
+    return _run(store, sql, [limit], output)

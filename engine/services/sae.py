@@ -13,14 +13,14 @@ imported only when an SAE is loaded.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.errors import RaylensError
+from engine.errors import InvalidRequestError, RaylensError
+from engine.model.hook_names import parse_hook_name
 
 __all__ = [
     "SAESource",
@@ -83,18 +83,20 @@ def resolve_sae(sae_id: str) -> SAESource:
         f"got {sae_id!r}", parameter="sae_id", value=sae_id)
 
 
-_HOOK = re.compile(r"^blocks\.(\d+)\.hook_resid_(post|pre)$")
-
-
 def sae_layer_from_hook(hook_name: str | None) -> int:
     """The model layer whose output an SAE reads: ``blocks.L.hook_resid_post`` → L,
-    ``blocks.L.hook_resid_pre`` → L - 1 (the residual stream entering L)."""
-    match = _HOOK.match(hook_name or "")
-    if not match or (match.group(2) == "pre" and match.group(1) == "0"):
+    ``blocks.L.hook_resid_pre`` → L - 1 (the residual stream entering L). The name is parsed once,
+    by the vocabulary's own parser."""
+    try:
+        name = parse_hook_name(hook_name)  # type: ignore[arg-type]
+    except InvalidRequestError:
+        name = None
+    if name is None or name.hook not in ("hook_resid_post", "hook_resid_pre") or (
+            name.hook == "hook_resid_pre" and name.layer == 0):
         raise SAEShapeError(f"the SAE's hook point must be a residual stream (blocks.L.hook_resid_post), "
                             f"got {hook_name!r}", parameter="hook_name", value=hook_name)
-    layer = int(match.group(1))
-    return layer if match.group(2) == "post" else layer - 1
+    layer: int = name.layer  # type: ignore[assignment]
+    return layer if name.hook == "hook_resid_post" else layer - 1
 
 
 @dataclass(frozen=True)

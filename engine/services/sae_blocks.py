@@ -1,18 +1,11 @@
-"""From hidden states to stored SAE features: the generation loop's hidden-state sink.
+"""Hidden-state blocks and their rows: what the SAE hand-off (:mod:`engine.services.sae_handoff`)
+cuts, ships and stores, whatever transport carries it.
 
-The loop reports every forward pass (:meth:`ActivationRecorder.on_forward`): the tokens it read,
-their positions and their hidden states at the SAE's layer. The recorder gathers them per request
-into blocks of ``block_steps`` forwards and turns each block into Arrow rows of top-k features:
-
-* ``inline``: every forward is encoded at once, inside the token loop;
-* ``nearline``: full blocks go to a background encoder thread through a bounded queue. The token
-  loop only appends to a list and, every ``block_steps`` forwards, enqueues; it waits only when
-  ``max_pending_blocks`` blocks are already queued (explicit back-pressure: nothing is dropped).
-
-Both modes feed the same encoder with the same rows, so they store the same features (up to
-float reassociation between batch shapes). A block that fails twice is recorded in the store's
-``missing_blocks`` table — a gap is always explained. The Ray SAE workers reuse
-:func:`encode_block`.
+The loop reports every forward pass: the tokens it read, their positions and their hidden states
+at the SAE's layer. :class:`BlockAccumulator` gathers them per request into :class:`HiddenBlock` s
+of ``block_steps`` forwards; :func:`encode_block` turns a block into Arrow rows of top-k features,
+in this process or on a Ray SAE worker alike, so every transport stores the same rows (up to float
+reassociation between batch shapes).
 
 Position 0 is not encoded by default: its residual norm is ~100× every other position's (an
 attention sink), SAEs are trained without it, and its "features" would top every query.
@@ -20,12 +13,10 @@ attention sink), SAEs are trained without it, and its "features" would top every
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -35,13 +26,7 @@ from engine.model.backend import ForwardRecord
 from engine.services.sae import SAEEncoder, SAEIdentity
 from engine.services.store_schema import ACTIVATION_SCHEMA
 
-__all__ = ["EncodedForward", "BlockMeta", "HiddenBlock", "BlockAccumulator", "ActivationRecorder", "RecorderStats", "encode_block",
-           "rows_from_topk"]
-
-log = logging.getLogger("raylens.activations")
-
-Writer = Callable[[pa.Table, str, str], int]  # (rows, batch_id, request_id) → rows written
-MissingRecorder = Callable[["HiddenBlock", str], None]
+__all__ = ["EncodedForward", "BlockMeta", "HiddenBlock", "BlockAccumulator", "encode_block", "rows_from_topk"]
 
 
 def _batch_id(request_id: str, index: int) -> str:
@@ -83,6 +68,8 @@ class HiddenBlock:
     token_ids: list[int] = field(default_factory=list)
     parts: list[torch.Tensor] = field(default_factory=list)
     created_at: float = field(default_factory=time.time)
+    # inline: the block's top-k ``(values (n, k), indices (n, k))``, already encoded for the events
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_meta(cls, meta: BlockMeta, hidden: torch.Tensor) -> "HiddenBlock":
@@ -140,25 +127,10 @@ def rows_from_topk(block: HiddenBlock, values: np.ndarray, indices: np.ndarray, 
 
 
 def encode_block(encoder: SAEEncoder, block: HiddenBlock, *, source_mode: str, model_id: str) -> pa.Table:
-    values, indices = encoder.encode_topk(block.hidden())
+    """The block's rows; its top-k encoded now unless the loop already did (inline)."""
+    values, indices = block.topk if block.topk is not None else encoder.encode_topk(block.hidden())
     return rows_from_topk(block, values.cpu().numpy(), indices.cpu().numpy(), encoder.identity,
                           source_mode=source_mode, model_id=model_id)
-
-
-@dataclass
-class RecorderStats:
-    blocks_submitted: int = 0
-    blocks_written: int = 0
-    blocks_missing: int = 0
-    rows_written: int = 0
-    backlog_waits: int = 0  # times the token loop waited for a free queue slot
-    max_backlog: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
-
-
-_STOP = object()
 
 
 class BlockAccumulator:
@@ -216,116 +188,3 @@ class EncodedForward:
     indices: torch.Tensor
     release: str
     layer: int
-
-
-class ActivationRecorder:
-    """The in-process hidden-state sink of :func:`engine.core.rules.run_generation`: inline, or
-    nearline on one background encoder thread."""
-
-    def __init__(self, encoder: SAEEncoder, write: Writer, record_missing: MissingRecorder, *,
-                 mode: Literal["nearline", "inline"], block_steps: int, max_pending_blocks: int,
-                 model_id: str, skip_first_position: bool = True) -> None:
-        self.encoder = encoder
-        self.mode = mode
-        self.model_id = model_id
-        self._write = write
-        self._record_missing = record_missing
-        self.stats = RecorderStats()
-        # inline encodes every forward at once: a block is one forward
-        self.blocks = BlockAccumulator(encoder.identity.layer, self._submit,
-                                       block_steps=1 if mode == "inline" else block_steps,
-                                       skip_first_position=skip_first_position)
-        self._queue: queue.Queue[Any] | None = None
-        self._worker: threading.Thread | None = None
-        self._inline: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # this forward's encoding
-        if mode == "nearline":
-            self._queue = queue.Queue(maxsize=max_pending_blocks)
-            self._worker = threading.Thread(target=self._run_worker, name="raylens-sae-encoder", daemon=True)
-            self._worker.start()
-
-    # ---------------------------------------------------------------------------- loop side
-
-    def on_forward(self, request_id: str, step: int, record: ForwardRecord) -> "EncodedForward | None":
-        """Nearline: queue the rows. Inline: encode every fed token now, store the rows (position 0
-        left out as always) and return the top-k of every fed token — what the step's events carry,
-        the same numbers as the stored rows."""
-        if self.mode != "inline":
-            self.blocks.on_forward(request_id, step, record)
-            return None
-        hidden = record.hidden.get(self.encoder.identity.layer)
-        if hidden is None:
-            return None
-        values, indices = self.encoder.encode_topk(hidden)  # (q, k) each
-        self._inline[request_id] = (record.start_position, values, indices)
-        try:
-            self.blocks.on_forward(request_id, step, record)
-        finally:
-            self._inline.pop(request_id, None)
-        identity = self.encoder.identity
-        return EncodedForward(values, indices, identity.release, identity.layer)
-
-    def finish(self, request_id: str) -> None:
-        """Hand off what is left of a request's rows (called when its generation ends)."""
-        self.blocks.finish(request_id)
-
-    def _submit(self, block: HiddenBlock) -> None:
-        self.stats.blocks_submitted += 1
-        if self._queue is None:
-            self._process(block)
-            return
-        try:
-            self._queue.put_nowait(block)
-        except queue.Full:
-            self.stats.backlog_waits += 1
-            self._queue.put(block)  # back-pressure: wait for the encoder rather than drop
-        self.stats.max_backlog = max(self.stats.max_backlog, self._queue.qsize())
-
-    # -------------------------------------------------------------------------- encoder side
-
-    def _process(self, block: HiddenBlock) -> None:
-        error: BaseException | None = None
-        for _attempt in range(2):
-            try:
-                pre = self._inline.get(block.request_id)
-                if pre is not None:  # inline: the forward was encoded once, for the events too
-                    start, values, indices = pre
-                    offsets = [p - start for p in block.positions]
-                    rows = rows_from_topk(block, values[offsets].cpu().numpy(), indices[offsets].cpu().numpy(),
-                                          self.encoder.identity, source_mode=self.mode, model_id=self.model_id)
-                else:
-                    rows = encode_block(self.encoder, block, source_mode=self.mode, model_id=self.model_id)
-                self.stats.rows_written += self._write(rows, block.batch_id, block.request_id)
-                self.stats.blocks_written += 1
-                return
-            except Exception as err:  # retried once, then recorded as missing
-                error = err
-        self.stats.blocks_missing += 1
-        reason = f"{type(error).__name__}: {error}"
-        log.error("SAE block %s failed twice (%s); recorded in missing_blocks", block.batch_id, reason)
-        try:
-            self._record_missing(block, reason)
-        except Exception:
-            log.exception("could not record missing block %s", block.batch_id)
-
-    def _run_worker(self) -> None:
-        assert self._queue is not None
-        while True:
-            block = self._queue.get()
-            try:
-                if block is _STOP:
-                    return
-                self._process(block)
-            finally:
-                self._queue.task_done()
-
-    def drain(self) -> None:
-        """Wait until every handed-off block is written (or recorded missing)."""
-        if self._queue is not None:
-            self._queue.join()
-
-    def close(self) -> None:
-        self.blocks.finish_all()
-        if self._queue is not None and self._worker is not None:
-            self._queue.put(_STOP)
-            self._worker.join()
-            self._queue = None

@@ -4,7 +4,8 @@ Strategies constrain generation token by token: ``allowed_tokens`` / ``disallowe
 id sets for the next step, ``step`` advances on each added token. Whole-vocabulary scans read
 :func:`token_texts`, a per-tokenizer table of every id's decoded text built once (one batched
 decode), so no step decodes the vocabulary again (a 128k vocabulary decoded per step costs
-seconds).
+seconds). An id outside ``get_vocab()`` (some added tokens) is decoded when a strategy first
+reads its text, as the original SDK decodes every id, without slowing the table's build.
 
 Sets a strategy returns may be :class:`IdSet` — a frozenset that also carries its ids as a sorted
 numpy array, so SelfPrompt masks logits without converting a 49k-element set each step.
@@ -131,13 +132,24 @@ class TokenTexts:
         if texts is None or len(texts) != len(ids):
             texts = [decode_token(tokenizer, i) for i in ids]
         self.ids = np.asarray(ids, dtype=np.int64)
+        self._tokenizer = weakref.proxy(tokenizer) if _weakrefable(tokenizer) else tokenizer
         self._text = dict(zip(ids, texts))
+        self._extra: dict[int, str] = {}  # ids outside the vocabulary, decoded when first seen
         self._memo: dict[Any, Any] = {}
 
     def text(self, token_id: int) -> str:
-        return self._text.get(int(token_id), "")
+        """An id's text; an id outside ``get_vocab()`` (added tokens, or any id a model can still
+        emit) is decoded on first use and kept, as the original SDK decodes every id it sees."""
+        token_id = int(token_id)
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._extra.get(token_id)
+        if text is None:
+            text = self._extra[token_id] = decode_token(self._tokenizer, token_id)
+        return text
 
     def items(self) -> Iterable[tuple[int, str]]:
+        """The vocabulary's ids and texts only (what whole-vocabulary classes are built from)."""
         return self._text.items()
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
@@ -145,6 +157,14 @@ class TokenTexts:
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
+
+
+def _weakrefable(obj: Any) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
 
 
 _TABLES: "weakref.WeakKeyDictionary[Any, TokenTexts]" = weakref.WeakKeyDictionary()

@@ -10,6 +10,7 @@ table; the command (:mod:`pipelines.cli.bench_command`) picks the mode and write
 ``decode_modes``      ``backend.graph_decode`` off / static / compile (``--decode-modes``).
 ``internals``         embeddings and named-tensor capture (``--internals``).
 ``serving``           the WebSocket server beside in-process requests (``--serve``).
+``long_prompt``       a long prompt arriving beside streaming requests (not wired into the command yet).
 
 Imports :mod:`pipelines.cluster`, :mod:`pipelines.jobs` and :mod:`pipelines.serve` (the modes
 that run them), never :mod:`pipelines.cli`.

@@ -26,6 +26,7 @@ def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str]
     import ray
 
     from engine import Engine
+    from engine.core.inputs import GenerationRequest
     from pipelines.cluster.actor_specs import actor_names
     from pipelines.cluster.topology import build_topology
     from pipelines.jobs.generate import PromptLine, run
@@ -54,7 +55,7 @@ def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str]
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=ray_cfg.ray.namespace)
         try:
             topo = build_topology(ray_cfg)
-            run(ray_cfg, [PromptLine(0, {"prompt": RAY_PROMPTS[0], "max_tokens": 4, "request_id": "warm"})],
+            run(ray_cfg, [PromptLine(0, GenerationRequest(prompt=RAY_PROMPTS[0], max_tokens=4, request_id="warm"))],
                 Path(tmp) / "warm.jsonl", progress=lambda _: None)  # actors loaded, model warm
             backlog: list[tuple[float, int]] = []
             stop = threading.Event()
@@ -66,11 +67,11 @@ def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str]
                     backlog.append((round(time.perf_counter() - t0, 2), stats.get("sae", {}).get("backlog", 0)))
 
             one_at_a_time = dataclasses.replace(ray_cfg, ray=dataclasses.replace(ray_cfg.ray, generator_max_concurrency=1))
-            lines = [PromptLine(i + 1, {**r, "request_id": f"bench-seq-{i}"}) for i, r in enumerate(requests)]
+            lines = [PromptLine(i + 1, GenerationRequest(**r, request_id=f"bench-seq-{i}")) for i, r in enumerate(requests)]
             sequential = run(one_at_a_time, lines, Path(tmp) / "ray-seq.jsonl", progress=progress)
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
-            lines = [PromptLine(i + 1, {**r, "request_id": f"bench-{i}"}) for i, r in enumerate(requests)]
+            lines = [PromptLine(i + 1, GenerationRequest(**r, request_id=f"bench-{i}")) for i, r in enumerate(requests)]
             summary = run(ray_cfg, lines, Path(tmp) / "ray.jsonl", progress=progress)
             stop.set()
             sampler.join(timeout=60)

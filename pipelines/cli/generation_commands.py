@@ -39,21 +39,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import Engine
+    from engine.core.inputs import GenerationRequest
     from engine.engine import load_mods
 
     messages, tools, response_format, input_ids = _source(args)
-    # Mods load before the model so a broken mod file fails in a second, not after the model load.
+    # Mods load and the request is checked before the model, so a broken mod file or a bad value
+    # fails in a second, not after the model load.
     mods = load_mods(list(args.mod) + [_read_json(p, "mod payload") for p in args.mod_payload])
+    request = GenerationRequest(
+        prompt=args.prompt, messages=messages, input_ids=input_ids, tools=tools, response_format=response_format,
+        mods=tuple(mods), max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, request_id=args.request_id)
     overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}} if args.sae or args.sae_inline else None
     if args.sae_inline:
         overrides["sae"]["mode"] = "inline"  # type: ignore[index]
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config, overrides=overrides) as engine:
-        result = engine.generate(
-            args.prompt, messages=messages, input_ids=input_ids, tools=tools, response_format=response_format, mods=mods,
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-            seed=args.seed, ignore_eos=args.ignore_eos, request_id=args.request_id,
-        )
+        result = engine.generate(request)
     from engine.services.strict_json import dumps  # no NaN/Infinity in what we print as JSON
 
     if args.json:

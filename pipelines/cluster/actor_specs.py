@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import RaylensConfig
+from engine.services.sae_mode import handoff_mode
 from engine.errors import ClusterCapacityError
 
 __all__ = ["ActorSpec", "actor_specs", "actor_keys", "actor_roles", "actor_names", "generator_name",
@@ -85,7 +86,7 @@ _NOT_SHAPING = frozenset({"namespace", "address", "dashboard_url", "actor_start_
 def runs_sae_workers(config: RaylensConfig) -> bool:
     """SAE workers exist for nearline encoding only: with ``sae.mode: inline`` the generator
     encodes every step itself, and idle workers would only hold CPUs (or GPU shares)."""
-    return config.sae.enabled and config.sae.mode == "nearline"
+    return config.sae.enabled and handoff_mode(config.sae, ray=True) == "ray-workers"
 
 
 def actor_roles(config: RaylensConfig) -> dict[str, str]:

@@ -124,10 +124,10 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
     topo = build_topology(config)
     timeout = config.ray.call_timeout_s
     run_id = uuid.uuid4().hex[:8]
-    given = [line.request["request_id"] for line in lines]
+    given = [line.request.request_id for line in lines]
     claimed = _settled(topo.store.claim_request_ids, given, run_id, REQUEST_ID_MAX_CHARS, timeout=timeout) \
         if lines else []
-    todo = [(PromptLine(line.line, {**line.request, "request_id": rid}), gid)
+    todo = [(PromptLine(line.line, line.request.replace(request_id=rid)), gid)
             for line, rid, gid in zip(lines, claimed, given)]
     tally = _Tally(ids=list(claimed))
     load = [0] * len(topo.generators)
@@ -140,7 +140,10 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a", encoding="utf-8") as sink:
-        def write(flight: _Flight, result: dict[str, Any]) -> None:
+        def write(flight: _Flight, outcome: Any) -> None:
+            result = outcome.to_dict() if not isinstance(outcome, dict) else outcome
+            if result.get("finish_reason") == "error":  # a line that ended in error is a failed line
+                tally.failed += 1
             result["line"] = flight.item.line
             if result.get("request_id") != flight.given_id:
                 result["given_request_id"] = flight.given_id
@@ -161,20 +164,18 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
             for ref in ready:
                 flight = inflight.pop(ref)
                 load[flight.replica] -= 1
-                rid = flight.item.request["request_id"]
+                rid = flight.item.request.request_id
                 try:
                     result = ray.get(ref, timeout=timeout)
                 except RayActorError as err:
                     retry = _after_generator_death(topo, flight, err, run_id, timeout, progress)
                     if retry is not None:
-                        tally.ids.append(retry.item.request["request_id"])
+                        tally.ids.append(retry.item.request.request_id)
                         dispatch(retry)
                         continue
                     result = {"request_id": rid, "finish_reason": "error", "error": f"generator died twice: {err}"}
-                    tally.failed += 1
                 except RayTaskError as err:  # this request failed (a bad value, a mod that cannot load): it alone
                     result = {"request_id": rid, "finish_reason": "error", "error": _task_error(err)}
-                    tally.failed += 1
                 write(flight, result)
     _order_by_line(out)
     drained = [_settled(g.drain, timeout=timeout * 4) for g in topo.generators]
@@ -234,7 +235,7 @@ def _after_generator_death(topo: Any, flight: _Flight, err: Exception, run_id: s
     """Record the dead attempt's unstored blocks as missing; the retry to run, or None (gave up)."""
     from engine.config import REQUEST_ID_MAX_CHARS
 
-    rid = flight.item.request["request_id"]
+    rid = flight.item.request.request_id
     missing = _settled(topo.store.abandon_request, rid, f"generator died: {type(err).__name__}", timeout=timeout)
     progress(f"line {flight.item.line}: the generator died during {rid} ({missing} SAE block(s) recorded missing)"
              + ("; running it again" if flight.attempt == 0 else "; giving up"))
@@ -243,7 +244,7 @@ def _after_generator_death(topo: Any, flight: _Flight, err: Exception, run_id: s
     _settled(topo.generators[flight.replica].stats, timeout=timeout)  # wait for the restarted replica
     [retry_id] = _settled(topo.store.claim_request_ids, [f"{rid}-retry1"], run_id, REQUEST_ID_MAX_CHARS,
                           timeout=timeout)
-    item = PromptLine(flight.item.line, {**flight.item.request, "request_id": retry_id})
+    item = PromptLine(flight.item.line, flight.item.request.replace(request_id=retry_id))
     return _Flight(item, flight.given_id, flight.replica, attempt=1)
 
 

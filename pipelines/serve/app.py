@@ -1,11 +1,14 @@
-"""The FastAPI app: both APIs, the viewer page, and the guards every route shares.
+"""The FastAPI app: both APIs, the viewer page, the feature browser, and the guards every route shares.
 
 ``build_app(engine, settings)`` works over any engine object with ``Engine``'s serving surface: an
 in-process :class:`engine.Engine` (tests, :mod:`pipelines.serve.local`) or, in the Ray Serve
 replica, a :class:`~pipelines.serve.remote_engine.RemoteEngine` over the shared GeneratorActor.
+The feature browser (``/features``, :mod:`.features_api`) reads the engine's own activation store
+(``engine.store``) unless a ``store`` is given. ``build_browser_app(store)`` is the browser alone:
+no engine, no model, only the store's routes and the static pages.
 Guards, outermost first:
 
-* API key — when set, every route except ``/healthz`` needs ``Authorization: Bearer <key>`` or
+* API key — when set, every route except ``/healthz`` and ``/health`` needs ``Authorization: Bearer <key>`` or
   ``X-API-Key: <key>``; browsers (the viewer page, WebSockets) may pass ``?api_key=<key>``.
 * WebSocket origin — a browser page from another site may not open the stream (it would use the
   model through the user's loopback server): an ``Origin`` whose host differs from ``Host`` is refused.
@@ -20,25 +23,31 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from . import attention_api, openai_api
+from . import attention_api, features_api, openai_api
 from .errors import ApiError, ErrorCode, api_error_from, validation_error
 from .service import Service
 from .settings import ServeSettings
 
-__all__ = ["build_app", "Guards"]
+__all__ = ["build_app", "build_browser_app", "Guards"]
 
 STATIC = Path(__file__).with_name("static")
-_OPEN_PATHS = frozenset({"/healthz"})
+_OPEN_PATHS = frozenset({"/healthz", "/health"})
 
 
-def build_app(engine: Any, settings: ServeSettings | None = None) -> FastAPI:
+def build_app(engine: Any, settings: ServeSettings | None = None, *, store: Any = None,
+              neuronpedia_url: str | None = None) -> FastAPI:
     settings = settings or ServeSettings()
-    app = FastAPI(title="raylens", version="0.1.0",
-                  description="OpenAI-compatible chat with mods, and per-token attention streaming.")
+    if neuronpedia_url is None:  # the engine's config names it (sae.neuronpedia_url), when it has one
+        neuronpedia_url = getattr(getattr(getattr(engine, "config", None), "sae", None), "neuronpedia_url", None)
+    source = features_api.FeatureSource(store if store is not None else getattr(engine, "store", None),
+                                        engine.tokenizer, neuronpedia_url, features_api.neuronpedia_ids_from_registry())
+    app = _base_app(settings, source, "OpenAI-compatible chat with mods, and per-token attention streaming.")
     app.state.service = Service(engine, settings)
     app.include_router(openai_api.router)
     app.include_router(attention_api.router)
@@ -47,9 +56,51 @@ def build_app(engine: Any, settings: ServeSettings | None = None) -> FastAPI:
     def healthz() -> dict[str, Any]:
         return {"ok": True, "model": app.state.service.model_id}
 
+    @app.get("/health", tags=["health"])
+    def health() -> dict[str, Any]:
+        """What OpenAI-compatible servers answer and clients (guidellm) check before starting."""
+        return {"ok": True, "model": app.state.service.model_id}
+
+    @app.get("/version", tags=["health"])
+    def version() -> dict[str, Any]:
+        return {"version": _version()}
+
     @app.get("/", include_in_schema=False)
     def viewer() -> FileResponse:
         return FileResponse(STATIC / "index.html")
+
+    return app
+
+
+def build_browser_app(store: Any, settings: ServeSettings | None = None, *, tokenizer: Any = None,
+                      neuronpedia_url: str | None = None) -> FastAPI:
+    """The feature browser over ``store`` (an :class:`~engine.services.store.ActivationStore`, best
+    opened ``read_only``) without an engine: ``/`` is the browser page; ``tokenizer`` (optional)
+    gives token text, else pages show ids."""
+    settings = settings or ServeSettings()
+    source = features_api.FeatureSource(store, tokenizer, neuronpedia_url, features_api.neuronpedia_ids_from_registry())
+    app = _base_app(settings, source, "Browse the SAE features in an activation store.")
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, Any]:
+        return {"ok": True, "model": None, "store": str(getattr(store, "db_path", "")) or None}
+
+    @app.get("/", include_in_schema=False)
+    def browser_home() -> FileResponse:
+        return FileResponse(STATIC / "features.html")
+
+    return app
+
+
+def _base_app(settings: ServeSettings, source: "features_api.FeatureSource", description: str) -> FastAPI:
+    """The parts every app has: the feature routes and page, static files, error handlers, guards."""
+    app = FastAPI(title="raylens", version="0.1.0", description=description)
+    app.state.features = source
+    app.include_router(features_api.router)
+
+    @app.get("/features", include_in_schema=False)
+    def feature_browser() -> FileResponse:
+        return FileResponse(STATIC / "features.html")
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
@@ -61,12 +112,37 @@ def build_app(engine: Any, settings: ServeSettings | None = None) -> FastAPI:
     async def on_validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
         return _error_response(request.url.path, validation_error(err.errors()))
 
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, err: HTTPException) -> Any:
+        # FastAPI answers a body it cannot read with a bare 400 ("There was an error parsing the
+        # body"): a body over the size limit (the guard's coded error is its cause), bytes that are
+        # not UTF-8, JSON nested past the parser's depth. Each becomes a coded error.
+        cause = err.__cause__ or err.__context__
+        while cause is not None and not isinstance(cause, ApiError):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, ApiError):
+            return _error_response(request.url.path, cause)
+        if err.status_code == 400:
+            return _error_response(request.url.path, ApiError(
+                ErrorCode.INVALID_REQUEST, "the request body must be a JSON document in UTF-8 (nested at most a "
+                                           "few hundred levels), got one that cannot be parsed.", "body"))
+        return await http_exception_handler(request, err)
+
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, err: Exception) -> JSONResponse:
         return _error_response(request.url.path, api_error_from(err))
 
     app.add_middleware(Guards, settings=settings)
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("raylens")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def _error_response(path: str, err: ApiError) -> JSONResponse:

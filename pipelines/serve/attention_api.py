@@ -23,6 +23,9 @@ from typing import Any, AsyncIterator, Callable, Literal
 from fastapi import APIRouter, Request, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.core.inputs import GenerationRequest
+from engine.errors import InvalidRequestError
+
 from .bridge import Stream, open_stream
 from .codec import AttentionEncoding, encode_attention
 from .engine_stream import Erased, TokenEvent
@@ -104,22 +107,23 @@ class GenerateRequest(BaseModel):
     type: Literal["generate"] = "generate"
     request_id: str | None = Field(None, min_length=1, max_length=128)
     input_ids: list[int] = Field(min_length=1)
-    max_new_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=100)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    repetition_penalty: float = Field(1.0, gt=0, le=100)
+    # sampling values are checked by the engine's one request type, as from every other door
+    max_new_tokens: int | None = Field(None, strict=True, description=">= 1 (and at most the server's serve.max_new_tokens)")
+    temperature: float | None = Field(None, le=100, description=">= 0; 0 is greedy")
+    top_p: float | None = Field(None, description="in (0, 1]")
+    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
+    repetition_penalty: float = Field(1.0, le=100, description="> 0; 1 is off")
     stop_tokens: list[int] = Field(default_factory=list)
     banned_tokens: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]")
     return_attention: bool = False
     attention_format: Literal["per_layer", "aggregated"] = "per_layer"
     aggregation_mode: Literal["mean", "max"] = "mean"
     attention_dtype: Literal["float32", "float16"] = "float32"
     attention_compression: Literal["none", "gzip"] = "none"
     binary: bool = Field(False, description="WebSocket only: attention bytes in a binary frame after each token message")
-    top_logprobs: int = Field(0, ge=0, le=20)
+    top_logprobs: int = Field(0, strict=True, description="in [0, 20]")
     sae_features: bool = False
 
 
@@ -237,38 +241,32 @@ async def generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
 # -------------------------------------------------------------------------------- producer
 
 
-def _engine_kwargs(service: Service, body: GenerateRequest) -> dict[str, Any]:
-    """Validate what the schema cannot (vocabulary, context, server limits); the engine kwargs."""
-    info, limit = service.info, service.settings.max_new_tokens
-    service.check_token_ids(body.input_ids, "input_ids")
-    service.check_token_ids(body.stop_tokens, "stop_tokens")
-    service.check_token_ids(body.banned_tokens, "banned_tokens")
-    if len(body.input_ids) >= info.max_context:
-        raise ApiError(ErrorCode.CONTEXT_TOO_LONG, f"`input_ids` must be shorter than the model's context of "
-                                                   f"{info.max_context} tokens, got {len(body.input_ids)}; drop "
-                                                   f"older tokens.", "input_ids")
-    if body.max_new_tokens is not None and body.max_new_tokens > limit:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"`max_new_tokens` must be <= {limit} on this server, got "
-                                                  f"{body.max_new_tokens}.", "max_new_tokens")
+# the attention API's names for request fields the engine's request calls otherwise
+_FIELD_NAMES = {"max_tokens": "max_new_tokens", "attention": "return_attention"}
+
+
+def _request(service: Service, body: GenerateRequest) -> GenerationRequest:
+    """The engine's request for ``body``; the engine checks every value (vocabulary, context,
+    ranges, the server's ``max_new_tokens``) by the same rules as every other door. What only
+    this server decides (whether SAE features can be streamed) is checked here."""
     if body.sae_features and not service.sae_features_available():
         raise ApiError(ErrorCode.FEATURES_UNAVAILABLE, "`sae_features` must be false on this server, got true: "
                                                        "its engine does not encode SAE features inline (start "
                                                        "it with sae.enabled and sae.mode: inline). Ask without "
                                                        "them (see GET /api/v1/model/info, "
                                                        "sae_features_available).", "sae_features")
-    max_tokens = body.max_new_tokens or min(service.engine.config.generation.max_tokens, limit)
-    kwargs: dict[str, Any] = dict(
-        input_ids=list(body.input_ids), max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, seed=body.seed, stop_tokens=list(body.stop_tokens) or None,
-        ignore_eos=body.ignore_eos or None, request_id=body.request_id, banned_tokens=list(body.banned_tokens) or None,
-        repetition_penalty=body.repetition_penalty if body.repetition_penalty != 1.0 else None,
-        top_logprobs=body.top_logprobs, attention="all" if body.return_attention else None)
-    return kwargs
-
-
-def _stop_ids(service: Service, body: GenerateRequest) -> frozenset[int]:
-    eos = frozenset() if body.ignore_eos else frozenset(service.info.eos_token_ids)
-    return eos | frozenset(body.stop_tokens)
+    try:
+        return GenerationRequest(
+            input_ids=tuple(body.input_ids), max_tokens=body.max_new_tokens, temperature=body.temperature,
+            top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop_tokens=tuple(body.stop_tokens) or None,
+            ignore_eos=body.ignore_eos or None, request_id=body.request_id, banned_tokens=tuple(body.banned_tokens),
+            repetition_penalty=body.repetition_penalty if body.repetition_penalty != 1.0 else None,
+            top_logprobs=body.top_logprobs, attention="all" if body.return_attention else None,
+            max_tokens_cap=service.settings.max_new_tokens)
+    except InvalidRequestError as err:
+        name = _FIELD_NAMES.get(err.parameter or "", err.parameter)
+        message = str(err).replace(f"`{err.parameter}`", f"`{name}`") if name != err.parameter else str(err)
+        raise api_error_from(type(err)(message, parameter=name, value=err.value)) from None
 
 
 _FINISH = {"stop": "stop_token", "length": "length", "tool_calls": "tool_calls", "cancelled": "cancelled"}
@@ -282,13 +280,12 @@ async def generation_messages(service: Service, body: GenerateRequest, *,
     Raises :class:`ApiError` for bad input (before anything is yielded) and for failures after.
     ``on_start`` receives the running stream (so a WebSocket can cancel it when its client leaves).
     """
-    kwargs = _engine_kwargs(service, body)
     started = time.perf_counter()
-    stream = await open_stream(service.engine, timeout_s=service.settings.request_timeout_s, **kwargs)
+    stream = await open_stream(service.engine, _request(service, body), timeout_s=service.settings.request_timeout_s)
     if on_start is not None:
         on_start(stream)
     request_id = stream.handle.request_id
-    stop = _stop_ids(service, body)
+    stop = stream.handle.request.stop_ids
     enc = AttentionEncoding(body.attention_format, body.aggregation_mode, body.attention_dtype,
                             body.attention_compression, body.binary)
     sent = 0

@@ -24,12 +24,12 @@ class _Failed:
         self.error = error
 
 
-async def open_stream(engine: Any, *, timeout_s: float, **kwargs: Any) -> "Stream":
-    """Submit a request (off the event loop: prompt encoding and mod loading take time); bad input
-    raises :class:`ApiError` here, before any response has started."""
-    kwargs.setdefault("block", False)  # a full queue is a 503 QUEUE_FULL, not a hung connection
+async def open_stream(engine: Any, request: Any, *, timeout_s: float) -> "Stream":
+    """Submit a :class:`~engine.core.inputs.GenerationRequest` (off the event loop: prompt encoding
+    and mod loading take time); bad input raises :class:`ApiError` here, before any response has
+    started. A full queue is a 503 QUEUE_FULL, not a hung connection (``block=False``)."""
     try:
-        handle = await asyncio.to_thread(submit, engine, **kwargs)
+        handle = await asyncio.to_thread(submit, engine, request, block=False)
     except Exception as err:
         raise api_error_from(err) from err
     return Stream(handle, timeout_s)

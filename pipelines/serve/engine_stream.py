@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.core.inputs import GenerationRequest
 from engine.core.stream import Erased, TokenEvent
 
 __all__ = ["TokenEvent", "Erased", "submit"]
 
 
-def submit(engine: Any, **kwargs: Any) -> Any:
-    """Start one request; raises the engine's typed errors for bad input before anything runs."""
-    return engine.submit(**kwargs)
+def submit(engine: Any, request: GenerationRequest, **options: Any) -> Any:
+    """Start one request; raises the engine's typed errors for bad input before anything runs.
+    ``options``: ``Engine.submit``'s own (``block``, ``timeout``), not request fields."""
+    return engine.submit(request, **options)

@@ -31,6 +31,7 @@ class ErrorCode(str, Enum):
     NOT_FOUND = "NOT_FOUND"
     MOD_ERROR = "MOD_ERROR"
     FEATURES_UNAVAILABLE = "FEATURES_UNAVAILABLE"
+    NO_STORE = "NO_STORE"
     OOM = "OOM"
     NO_MODEL = "NO_MODEL"
     INTERNAL = "INTERNAL"
@@ -47,7 +48,8 @@ _STATUS = {
     ErrorCode.INVALID_REQUEST: 400, ErrorCode.INVALID_TOKEN: 400, ErrorCode.CONTEXT_TOO_LONG: 400,
     ErrorCode.MESSAGE_TOO_LARGE: 413, ErrorCode.TOO_MANY_CONNECTIONS: 429, ErrorCode.QUEUE_FULL: 503,
     ErrorCode.TIMEOUT: 504, ErrorCode.UNAUTHORIZED: 401, ErrorCode.FORBIDDEN: 403, ErrorCode.NOT_FOUND: 404,
-    ErrorCode.MOD_ERROR: 400, ErrorCode.FEATURES_UNAVAILABLE: 501, ErrorCode.OOM: 503, ErrorCode.NO_MODEL: 503,
+    ErrorCode.MOD_ERROR: 400, ErrorCode.FEATURES_UNAVAILABLE: 501,
+    ErrorCode.NO_STORE: 404, ErrorCode.OOM: 503, ErrorCode.NO_MODEL: 503,
     ErrorCode.INTERNAL: 500,
 }
 
@@ -134,6 +136,12 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     import json
 
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # its location is a character offset, not a field
+        position = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+        reason = str((first.get("ctx") or {}).get("error") or first.get("msg") or "a parse error")
+        return ApiError(ErrorCode.INVALID_REQUEST, f"the request body must be valid JSON, got {reason}"
+                                                   + (f" at character {position}" if position is not None else "")
+                                                   + ".", "body")
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
     shown = "nothing" if first.get("type") == "missing" else json.dumps(first.get("input"), default=str)[:80]
     reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")

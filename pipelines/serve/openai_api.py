@@ -31,9 +31,12 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.core.inputs import GenerationRequest
+from engine.errors import InvalidRequestError
+
 from .bridge import Stream, open_stream
 from .engine_stream import Erased, TokenEvent
-from .errors import ApiError, ErrorCode, validation_error
+from .errors import ApiError, ErrorCode, api_error_from, validation_error
 from .service import Service
 
 __all__ = ["router", "ChatCompletionRequest", "resolve_model"]
@@ -61,24 +64,26 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str = Field(min_length=1, max_length=512)
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
-    stream: bool = False
+    # Sampling values are checked by the engine's one request type (GenerationRequest), so every
+    # door answers a bad value with the same error; the schema states only their types.
+    max_tokens: int | None = Field(None, strict=True, description=">= 1 (and at most the server's serve.max_new_tokens)")
+    max_completion_tokens: int | None = Field(None, strict=True, description="as max_tokens; takes precedence")
+    temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
+    top_p: float | None = Field(None, description="in (0, 1]")
+    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
+    n: int = Field(1, ge=1, le=1, strict=True, description="only 1 is supported")
+    stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]")
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, strict=True, description="in [0, 20]")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
 
 
 class ModPayload(BaseModel):
@@ -140,7 +145,8 @@ def resolve_model(service: Service, model: str) -> list[Any]:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     service = _service(request)
     call = _Call(service, body)
-    stream = await open_stream(service.engine, timeout_s=service.settings.request_timeout_s, **call.engine_kwargs())
+    stream = await open_stream(service.engine, call.request, timeout_s=service.settings.request_timeout_s)
+    call.stop_ids = stream.handle.request.stop_ids
     if body.stream:
         return StreamingResponse(call.sse(stream), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -176,12 +182,6 @@ class _Call:
         if len(stops) > 4 or any(not isinstance(s, str) or not s for s in stops):
             raise ApiError(ErrorCode.INVALID_REQUEST, f"`stop` must be up to 4 non-empty strings, got {stops!r}.", "stop")
         self.stops = stops
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        limit = service.settings.max_new_tokens
-        if max_tokens is not None and max_tokens > limit:
-            raise ApiError(ErrorCode.INVALID_REQUEST, f"`max_tokens` must be <= {limit} on this server, got "
-                                                      f"{max_tokens}.", "max_tokens")
-        self.max_tokens = max_tokens or min(service.engine.config.generation.max_tokens, limit)
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
         if body.response_format is not None and body.response_format.get("type") not in (
                 "text", "json_object", "json_schema"):
@@ -189,22 +189,21 @@ class _Call:
                                                       f"json_schema, got {body.response_format.get('type')!r}.",
                            "response_format")
         self.messages = [_text_content(m, i) for i, m in enumerate(body.messages)]
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        try:
+            self.request = GenerationRequest(
+                messages=self.messages, mods=tuple(self.mods), max_tokens=max_tokens, temperature=body.temperature,
+                top_p=body.top_p, top_k=body.top_k, seed=body.seed, tools=body.tools,
+                response_format=body.response_format, repetition_penalty=body.repetition_penalty,
+                top_logprobs=self.top_logprobs, max_tokens_cap=service.settings.max_new_tokens)
+        except InvalidRequestError as err:  # the same rule and message as from every other door
+            raise api_error_from(err) from None
+        self.stop_ids: frozenset[int] = frozenset()  # the engine's stop set, once the request is accepted
         # what the client has seen: token ids and the text each one added
         self.ids: list[int] = []
         self.pieces: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
         self.stopped_by_string = False
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        body = self.body
-        return dict(messages=self.messages, mods=self.mods, max_tokens=self.max_tokens, temperature=body.temperature,
-                    top_p=body.top_p, top_k=body.top_k, seed=body.seed, tools=body.tools,
-                    response_format=body.response_format, repetition_penalty=body.repetition_penalty,
-                    top_logprobs=self.top_logprobs)
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        return frozenset(self.service.info.eos_token_ids)
 
     # ----------------------------------------------------------------------- token tracking
 

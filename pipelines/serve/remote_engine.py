@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from engine.config import RaylensConfig
-from engine.core.result import FinishReason
+from engine.core.inputs import GenerationRequest, as_request
+from engine.core.request import EngineRequest
 from engine.core.stream import RequestHandle
 from engine.errors import QueueFullError
 
-__all__ = ["RemoteEngine", "RemoteHandle", "RemoteResult", "unwrap"]
+__all__ = ["RemoteEngine", "RemoteHandle", "unwrap"]
 
 
 def unwrap(err: BaseException) -> BaseException:
@@ -47,61 +47,31 @@ def unwrap(err: BaseException) -> BaseException:
     return err
 
 
-@dataclass(frozen=True)
-class RemoteResult:
-    """A finished request as the actor reports it: the fields of ``GenerationResult`` that cross
-    process boundaries (not its events, actions or payload, which stay with the actor)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_text: str
-    finish_reason: FinishReason
-    tool_calls: list[Any] | None = None
-    error: str | None = None
-    sequence_ids: list[int] = field(default_factory=list, repr=False)
-    token_logprobs: list[float | None] | None = field(default=None, repr=False)
-    metadata: dict[str, Any] = field(default_factory=dict, repr=False)
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RemoteResult":
-        return cls(request_id=data["request_id"], prompt_ids=list(data.get("prompt_ids") or []),
-                   output_ids=list(data["output_ids"]), output_text=data["output_text"],
-                   finish_reason=FinishReason(data["finish_reason"]), tool_calls=data.get("tool_calls"),
-                   error=data.get("error"), sequence_ids=list(data.get("sequence_ids") or []),
-                   token_logprobs=data.get("token_logprobs"), metadata=dict(data.get("metadata") or {}),
-                   raw=dict(data))
-
-    def to_dict(self) -> dict[str, Any]:
-        """What ``GenerationResult.to_dict`` gave in the actor."""
-        return {k: v for k, v in self.raw.items() if k not in ("prompt_ids", "sequence_ids", "token_logprobs")}
-
-
 class RemoteHandle(RequestHandle):
     """One streamed request, as :class:`engine.core.stream.RequestHandle` (whose event queue,
     iteration and result it reuses): iterate it for the events, ``result(timeout)`` for the
-    :class:`RemoteResult`, ``cancel()`` to end it early in the actor.
+    :class:`~engine.core.result.GenerationResult` (portable: no events, no payload),
+    ``cancel()`` to end it early in the actor.
 
     ``items`` yields what the actor's ``stream`` yields after its first item: events, then
-    ``{"result": dict}``; an exception it raises fails the request. A reader thread moves them
+    ``{"result": GenerationResult}``; an exception it raises fails the request. A reader thread moves them
     into the queue, so ``result`` waits with a timeout even when nobody iterates.
     """
 
-    def __init__(self, request_id: str, items: Iterator[Any], cancel: Callable[[], None]) -> None:
+    def __init__(self, request: EngineRequest, items: Iterator[Any], cancel: Callable[[], None]) -> None:
         from actors.generator import STREAM_RESULT
 
-        super().__init__(request_id)
+        super().__init__(request.request_id, request)
         self._result_key = STREAM_RESULT
         self._items = items
         self._cancel_remote = cancel
-        threading.Thread(target=self._read, daemon=True, name=f"raylens-remote-{request_id[:8]}").start()
+        threading.Thread(target=self._read, daemon=True, name=f"raylens-remote-{request.request_id[:8]}").start()
 
     def _read(self) -> None:
         try:
             for item in self._items:
                 if isinstance(item, dict) and self._result_key in item:
-                    self.set_result(RemoteResult.from_dict(item[self._result_key]))
+                    self.set_result(item[self._result_key])
                     break
                 self._events.put(item)
             else:
@@ -187,18 +157,19 @@ class RemoteEngine:
         except Exception as err:
             raise unwrap(err) from None
 
-    def submit(self, prompt: str | None = None, **kwargs: Any) -> RemoteHandle:
-        """Start one request on a generator; raises the engine's typed errors for bad input. Waits
-        at most ``accept_timeout_s`` for the actor to take it (every request thread busy):
-        then :class:`QueueFullError`."""
+    def submit(self, request: GenerationRequest | str | None = None, /, *, on_event: Any = None,
+               **fields: Any) -> RemoteHandle:
+        """Start one request on a generator (a :class:`GenerationRequest` or its fields, as
+        ``Engine.submit`` takes them); raises the engine's typed errors for bad input. Waits at
+        most ``accept_timeout_s`` for the actor to take it (every request thread busy): then
+        :class:`QueueFullError`."""
         import ray
 
-        if kwargs.get("on_event") is not None:
+        if on_event is not None:
             raise TypeError("on_event callbacks cannot reach the GeneratorActor; read the handle's events instead")
-        kwargs.pop("on_event", None)
-        if any(callable(m) for m in kwargs.get("mods") or ()):
+        request = as_request(request, fields)
+        if any(callable(m) for m in request.mods):
             raise TypeError("mods sent to the GeneratorActor must be payload dicts or paths, not loaded callables")
-        request = {"prompt": prompt, **kwargs} if prompt is not None else kwargs
         actor = self._generator()
         stream = actor.stream.remote(request)
         ready, _ = ray.wait([stream], timeout=self.accept_timeout_s)
@@ -217,10 +188,10 @@ class RemoteEngine:
             raise unwrap(err) from None
         from actors.generator import STREAM_STARTED
 
-        request_id = first[STREAM_STARTED]
+        accepted: EngineRequest = first[STREAM_STARTED]
 
         def items() -> Iterator[Any]:
             for ref in stream:
                 yield ray.get(ref)
 
-        return RemoteHandle(request_id, items(), lambda: actor.cancel.remote(request_id))
+        return RemoteHandle(accepted, items(), lambda: actor.cancel.remote(accepted.request_id))

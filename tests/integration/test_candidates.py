@@ -13,7 +13,7 @@ PROMPT = "Give me a word that rhymes with cat."
 def _model_logprob(engine, prompt_ids, token_ids):
     """Sum of log-softmax(logits) of ``token_ids`` after ``prompt_ids``: one plain forward."""
     with torch.inference_mode():
-        logits = engine.backend.model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
+        logits = engine.backend.reference_model(torch.tensor([prompt_ids + token_ids])).logits[0].float()
     logp = torch.log_softmax(logits, dim=-1)
     start = len(prompt_ids)
     return sum(float(logp[start - 1 + i, t]) for i, t in enumerate(token_ids))
@@ -33,13 +33,30 @@ def test_candidates_are_ranked_by_the_models_own_log_probability(engine):
         assert cand.text == engine.tokenizer.decode(cand.token_ids, skip_special_tokens=True)
 
 
+def test_log_prob_covers_exactly_token_ids_the_stop_token_included(engine):
+    prompt_ids = engine.encode(PROMPT)
+    free = engine.candidates(input_ids=prompt_ids, n=4, temperature=1.0, top_p=1.0, top_k=0, max_tokens=6,
+                             seed=0, ignore_eos=True)
+    # a stop token the seeded sampling reaches mid-answer: the same seeds stop there on the next run
+    ref = next(c.token_ids for c in free if c.token_ids[2] not in c.token_ids[:2])
+    stopped = engine.candidates(input_ids=prompt_ids, n=4, temperature=1.0, top_p=1.0, top_k=0, max_tokens=6,
+                                seed=0, ignore_eos=True, stop_tokens=[ref[2]])
+    cand = next(c for c in stopped if c.token_ids[:3] == ref[:3])  # positive control: it stopped there
+    assert cand.finish_reason == "stop" and cand.token_ids == ref[:3], cand
+    assert cand.text == engine.tokenizer.decode(ref[:2], skip_special_tokens=True)  # text: without the stop token
+    reference = _model_logprob(engine, prompt_ids, cand.token_ids)
+    assert abs(cand.log_prob - reference) < LOGPROB_TOL, (cand.log_prob, reference)
+    without_stop = _model_logprob(engine, prompt_ids, cand.token_ids[:-1])
+    assert abs(cand.log_prob - without_stop) > 10 * LOGPROB_TOL, "the stop token's log-prob must be counted"
+
+
 def test_truncated_sampling_scores_under_the_renormalised_distribution(engine):
     prompt_ids = engine.encode(PROMPT)
     cands = engine.candidates(input_ids=prompt_ids, n=4, temperature=0.8, top_k=5, top_p=1.0, max_tokens=5,
                               seed=3, ignore_eos=True)
     with torch.inference_mode():
         for cand in cands:
-            logits = engine.backend.model(torch.tensor([prompt_ids + cand.token_ids])).logits[0].float()
+            logits = engine.backend.reference_model(torch.tensor([prompt_ids + cand.token_ids])).logits[0].float()
             total = 0.0
             for i, token in enumerate(cand.token_ids):
                 scores = logits[len(prompt_ids) - 1 + i] / 0.8

@@ -63,7 +63,7 @@ def hf_hidden(engine, token_ids):
     """Independent reference: transformers' ``output_hidden_states`` for each text alone, as plain
     tokens with no BOS (its last entry is the final norm's output)."""
     with torch.inference_mode():
-        return [engine.backend.model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        return [engine.backend.reference_model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
                 for ids in token_ids]
 
 

@@ -21,7 +21,7 @@ PROMPT = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def mc(engine):
-    return engine.backend.model.config
+    return engine.backend.reference_model.config
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_model_loads_on_the_auto_detected_device(engine):
 @pytest.mark.parametrize("prompt", [PROMPT, "Write a short story about a lighthouse keeper."])
 def test_greedy_loop_matches_transformers_generate_token_for_token(engine, prompt):
     ids = engine.encode(prompt)
-    model = engine.backend.model
+    model = engine.backend.reference_model
     eos = set(engine.backend.info.eos_token_ids)
     with torch.inference_mode():
         reference = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
@@ -86,7 +86,7 @@ def test_hidden_states_equal_the_full_forward_reference_and_layer16_differs_from
     out = forward_prompt(backend, ids, [f"blocks.{layer}.hook_resid_post", "blocks.0.hook_resid_post"])
     layer0 = out.captured.hidden[0]
     with torch.inference_mode():
-        ref = backend.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        ref = backend.reference_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
     ours = out.captured.hidden[layer]
     torch.testing.assert_close(ours, ref[hidden_states_index(layer)][0], atol=FP32_NOISE_TOL, rtol=0,
                                msg=lambda m: f"layer {layer} hidden states drift from output_hidden_states: {m}")
@@ -129,7 +129,7 @@ def test_attention_changes_when_tokens_are_injected(engine):
 
 
 def test_attention_hook_leaves_nothing_behind(engine):
-    model = engine.backend.model
+    model = engine.backend.reference_model
     before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     engine.generate(PROMPT, max_tokens=3, temperature=0.0)
     after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())

@@ -24,7 +24,7 @@ SAME_OPS_TOL = 1e-5  # the same float32 ops in another grouping (by hand vs in t
 
 @pytest.fixture(scope="module")
 def model(engine):
-    return engine.backend.model
+    return engine.backend.reference_model
 
 
 @pytest.fixture(scope="module")

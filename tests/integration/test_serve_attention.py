@@ -89,7 +89,7 @@ def run(coro):
 
 def test_model_info_reports_the_loaded_models_dimensions(http, engine):
     info = http.get("/api/v1/model/info").json()
-    config = engine.backend.model.config
+    config = engine.backend.reference_model.config
     assert info["num_layers"] == config.num_hidden_layers
     assert info["num_attention_heads"] == config.num_attention_heads
     assert info["num_key_value_heads"] == config.num_key_value_heads
@@ -115,7 +115,8 @@ def test_streamed_greedy_tokens_equal_transformers_generate(server, engine, prom
     assert messages[-1]["type"] == "done", messages[-1]
     streamed = [m["token"]["token_id"] for m in messages if m["type"] == "token"]
     with torch.inference_mode():
-        ref = engine.backend.model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        ref = engine.backend.reference_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS,
+                                                      do_sample=False)
     expected = [t for t in ref[0, len(prompt_ids):].tolist() if t not in engine.backend.info.eos_token_ids]
     assert streamed == expected, f"stream {streamed} != transformers greedy {expected}"
     assert messages[-1]["total_tokens"] == len(streamed)
@@ -130,7 +131,7 @@ def test_streamed_attention_equals_eager_attention_for_every_layer_and_head(serv
     generated = [m["token"]["token_id"] for m in tokens]
     with torch.inference_mode():
         ref = eager_model(torch.tensor([prompt_ids + generated]), output_attentions=True).attentions
-    config = engine.backend.model.config
+    config = engine.backend.reference_model.config
     for k, message in enumerate(tokens):
         info = message["attention"]
         context = len(prompt_ids) + k  # the forward that produced token k saw the prompt and k earlier tokens

@@ -12,7 +12,7 @@ from tests.helpers import REPO
 def test_the_demo_prompts_pass_the_jobs_checks_and_name_existing_mods():
     lines = read_prompts(REPO / "scripts" / "demo-prompts.jsonl")  # raises on a bad line or a missing mod file
     assert len(lines) >= 3
-    mods = [mod for line in lines for mod in line.request.get("mods", [])]
+    mods = [mod for line in lines for mod in line.request.mods]
     assert mods and all(mod["source"] and mod["entrypoint"] for mod in mods)  # read into payloads for the job
 
 

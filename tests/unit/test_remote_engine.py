@@ -15,11 +15,23 @@ from engine.errors import InvalidRequestError, TokenOutOfVocabularyError
 pytestmark = pytest.mark.timeout(60)
 
 
-def _result_dict(**over):
-    base = {"request_id": "r1", "output_text": "hi", "output_ids": [5, 6], "finish_reason": "stop",
-            "tool_calls": None, "error": None, "actions": [], "ignored_actions": [], "metadata": {"steps": 2},
+def _result(**over):
+    """A finished request as the actor sends it: a portable GenerationResult."""
+    from engine.core.result import FinishReason, GenerationResult
+
+    base = {"request_id": "r1", "output_text": "hi", "output_ids": [5, 6], "finish_reason": FinishReason.STOP,
+            "events": [], "actions": [], "ignored_actions": [], "payload": {}, "metadata": {"steps": 2},
             "prompt_ids": [1, 2, 3], "sequence_ids": [5, 6, 0], "token_logprobs": None}
-    return {**base, **over}
+    return GenerationResult(**{**base, **over})
+
+
+def _accepted(request_id="r1"):
+    """The actor's first stream item: the request as the engine took it (portable)."""
+    from engine.core.request import EngineRequest
+    from engine.model.sampling import SamplingParams
+
+    return EngineRequest(request_id=request_id, input_ids=(1, 2, 3), max_tokens=2, sampling=SamplingParams(0.0),
+                         stop_ids=frozenset({0}), step_limit=72)
 
 
 def _events():
@@ -27,22 +39,24 @@ def _events():
 
 
 def test_the_handle_yields_the_events_then_gives_the_result():
-    from pipelines.serve.remote_engine import RemoteHandle, RemoteResult
+    from engine.core.result import GenerationResult
+    from pipelines.serve.remote_engine import RemoteHandle
 
-    handle = RemoteHandle("r1", iter([*_events(), {"result": _result_dict()}]), lambda: None)
+    handle = RemoteHandle(_accepted(), iter([*_events(), {"result": _result()}]), lambda: None)
+    assert handle.request.stop_ids == frozenset({0}) and handle.request_id == "r1"
     assert list(handle) == _events()
     assert list(handle) == []  # a second iteration ends at once
     result = handle.result(timeout=10)
-    assert isinstance(result, RemoteResult)
+    assert isinstance(result, GenerationResult)
     assert (result.prompt_ids, result.output_ids, result.output_text) == ([1, 2, 3], [5, 6], "hi")
     assert str(result.finish_reason) == "stop" and result.sequence_ids == [5, 6, 0]
-    assert "prompt_ids" not in result.to_dict() and result.to_dict()["metadata"] == {"steps": 2}
+    assert result.to_dict()["metadata"] == {"steps": 2}
 
 
 def test_the_result_arrives_even_when_nobody_iterates():
     from pipelines.serve.remote_engine import RemoteHandle
 
-    handle = RemoteHandle("r1", iter([*_events(), {"result": _result_dict(finish_reason="length")}]), lambda: None)
+    handle = RemoteHandle(_accepted(), iter([*_events(), {"result": _result(finish_reason="length")}]), lambda: None)
     assert str(handle.result(timeout=10).finish_reason) == "length"
 
 
@@ -53,7 +67,7 @@ def test_a_failure_mid_stream_ends_the_events_and_raises_from_result():
         yield _events()[0]
         raise InvalidRequestError("`x` must be y, got z", parameter="x")
 
-    handle = RemoteHandle("r1", items(), lambda: None)
+    handle = RemoteHandle(_accepted(), items(), lambda: None)
     assert list(handle) == _events()[:1]
     with pytest.raises(InvalidRequestError, match="must be y"):
         handle.result(timeout=10)
@@ -62,7 +76,7 @@ def test_a_failure_mid_stream_ends_the_events_and_raises_from_result():
 def test_a_stream_without_a_result_is_an_error_not_a_hang():
     from pipelines.serve.remote_engine import RemoteHandle
 
-    handle = RemoteHandle("r1", iter(_events()), lambda: None)
+    handle = RemoteHandle(_accepted(), iter(_events()), lambda: None)
     with pytest.raises(RuntimeError, match="ended without a result"):
         handle.result(timeout=10)
 
@@ -74,9 +88,9 @@ def test_result_times_out_while_the_actor_still_runs():
 
     def items():
         release.wait(30)
-        yield {"result": _result_dict()}
+        yield {"result": _result()}
 
-    handle = RemoteHandle("r1", items(), lambda: None)
+    handle = RemoteHandle(_accepted(), items(), lambda: None)
     with pytest.raises(TimeoutError):
         handle.result(timeout=0.05)
     release.set()
@@ -90,16 +104,16 @@ def test_cancel_asks_the_actor_once_and_not_after_the_end():
 
     def items():
         release.wait(30)
-        yield {"result": _result_dict(finish_reason="cancelled")}
+        yield {"result": _result(finish_reason="cancelled")}
 
-    handle = RemoteHandle("r1", items(), lambda: calls.append("cancel"))
+    handle = RemoteHandle(_accepted(), items(), lambda: calls.append("cancel"))
     handle.cancel()
     handle.cancel()
     release.set()
     assert str(handle.result(timeout=10).finish_reason) == "cancelled"
     handle.cancel()
     assert calls == ["cancel"]
-    done = RemoteHandle("r2", iter([{"result": _result_dict(request_id="r2")}]), lambda: calls.append("late"))
+    done = RemoteHandle(_accepted("r2"), iter([{"result": _result(request_id="r2")}]), lambda: calls.append("late"))
     done.result(timeout=10)
     done.cancel()
     assert calls == ["cancel"]

@@ -1,4 +1,4 @@
-"""SAE loading/encoding through sae-lens, and the nearline/inline activation recorder.
+"""SAE loading/encoding through sae-lens, and the SAE hand-off in process (inline, thread).
 
 A tiny random TopK SAE saved in sae-lens' format stands in for a trained one (no model needed).
 """
@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from engine.services.sae_blocks import ActivationRecorder
+from engine.services.sae_handoff import LocalTransport, RetryPolicy, SAEHandoff
 from engine.model.backend import ForwardRecord
 from engine.services.sae import SAEEncoder, SAELoadError, SAEShapeError, sae_layer_from_hook
 
@@ -120,11 +120,16 @@ class Collector:
         self.missing.append((block.batch_id, reason))
 
 
+def local_handoff(encoder, collector, mode, *, block_steps=3, max_pending=8, skip=True, retry=RetryPolicy(2, 0.0)):
+    transport = LocalTransport(encoder, collector.write, collector.record_missing, model_id="m",
+                               threaded=mode == "nearline")
+    return SAEHandoff(transport, layer=LAYER, block_steps=block_steps, max_pending=max_pending, retry=retry,
+                      skip_first_position=skip)
+
+
 def run_recorder(encoder, mode, collector=None, block_steps=3, skip=True, max_pending=8, request_id="r"):
     collector = collector or Collector()
-    recorder = ActivationRecorder(encoder, collector.write, collector.record_missing, mode=mode,
-                                  block_steps=block_steps, max_pending_blocks=max_pending, model_id="m",
-                                  skip_first_position=skip)
+    recorder = local_handoff(encoder, collector, mode, block_steps=block_steps, max_pending=max_pending, skip=skip)
     for step, record in forwards():
         recorder.on_forward(request_id, step, record)
     recorder.finish(request_id)
@@ -148,7 +153,7 @@ def test_nearline_and_inline_store_the_same_rows(sae_dir):
                (y["step"], y["token_position"], y["token_id"], y["feature_id"], y["rank"])
         assert x["activation_value"] == pytest.approx(y["activation_value"], rel=1e-4)
     assert {x["source_mode"] for x in a} == {"inline"} and {y["source_mode"] for y in b} == {"nearline"}
-    assert inline.stats.blocks_written == 8 and nearline.stats.blocks_written == 3  # 8 forwards in blocks of 3
+    assert inline.stats.blocks_stored == 8 and nearline.stats.blocks_stored == 3  # 8 forwards in blocks of 3
 
 
 def test_position_zero_is_skipped_unless_asked(sae_dir):
@@ -161,15 +166,14 @@ def test_position_zero_is_skipped_unless_asked(sae_dir):
 
 def test_a_failing_block_is_retried_once_then_recorded_missing(sae_dir):
     recorder, collector = run_recorder(load(sae_dir), "nearline", Collector(fail=True), block_steps=100)
-    assert collector.calls == 2 and recorder.stats.blocks_missing == 1
+    assert collector.calls == 2 and recorder.stats.blocks_missing == 1 and recorder.stats.blocks_retried == 1
     assert collector.missing == [("r/0", "RuntimeError: disk on fire")]
 
 
 def test_nearline_back_pressure_makes_the_loop_wait_instead_of_dropping(sae_dir):
     gate = threading.Event()
     collector = Collector(gate=gate)
-    recorder = ActivationRecorder(load(sae_dir), collector.write, collector.record_missing, mode="nearline",
-                                  block_steps=1, max_pending_blocks=1, model_id="m")
+    recorder = local_handoff(load(sae_dir), collector, "nearline", block_steps=1, max_pending=1)
     loop = threading.Thread(target=lambda: [recorder.on_forward("r", s, rec) for s, rec in forwards()])
     loop.start()
     deadline = time.monotonic() + 60
@@ -180,4 +184,4 @@ def test_nearline_back_pressure_makes_the_loop_wait_instead_of_dropping(sae_dir)
     loop.join(timeout=60)
     recorder.finish("r")
     recorder.close()
-    assert recorder.stats.blocks_written == 8 and recorder.stats.blocks_missing == 0  # nothing dropped
+    assert recorder.stats.blocks_stored == 8 and recorder.stats.blocks_missing == 0  # nothing dropped

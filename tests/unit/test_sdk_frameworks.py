@@ -272,6 +272,36 @@ def test_until_strategy_tag_and_anychar():
     assert UntilStrategy(None, UntilEndType.TAG, "x").start(TOK).accum_toks == []  # not shared across states
 
 
+class _AddedPunctuation(CharTokenizer):
+    """``get_vocab()`` lacks the punctuation ids (as a tokenizer's added tokens can be missing from
+    it), yet ``decode`` knows them: strategies must read such ids' text as the original SDK does."""
+
+    ADDED = ".!<>/"
+
+    def get_vocab(self):
+        return {text: i for text, i in super().get_vocab().items() if text not in self.ADDED}
+
+
+def test_until_strategy_reads_ids_outside_get_vocab_by_decoding_them():
+    tok = _AddedPunctuation()
+    missing = [tok.encode(ch)[0] for ch in tok.ADDED]
+    assert not set(missing) & set(tok.get_vocab().values())  # positive control: really outside the vocabulary
+    anychar = UntilStrat(None, UntilEndType.ANYCHAR, ".!").into_strategy(tok)
+    state = anychar.start(tok)
+    for ch in "ok":
+        anychar.step(state, tok.encode(ch)[0], tok)
+    assert not anychar.is_complete(state)
+    anychar.step(state, tok.encode(".")[0], tok)
+    assert anychar.is_complete(state) and state.accum == "ok."
+    tag = UntilStrategy(None, UntilEndType.TAG, "</a>")
+    state = tag.start(tok)
+    for ch in "x</a>":
+        tag.step(state, tok.encode(ch)[0], tok)
+    assert tag.is_complete(state) and state.accum == "x</a>"
+    assert token_texts(tok).text(tok.encode("!")[0]) == "!"
+    assert set(missing).isdisjoint(token_texts(tok).ids.tolist())  # the vocabulary table itself is unchanged
+
+
 def test_list_strategy_with_wrap_sep_and_close_completes():
     # (a one-token separator would swallow the next token, a quirk kept from the original)
     strategy = ListStrat(ChoicesStrat(["a", "b"]), open="[", close="]", wrap="'", max=3).into_strategy(TOK)

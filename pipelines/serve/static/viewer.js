@@ -10,6 +10,7 @@ const state = { info: null, context: [], promptLength: 0, steps: [], selected: -
 function withKey(path) {
   return apiKey ? `${path}${path.includes("?") ? "&" : "?"}api_key=${encodeURIComponent(apiKey)}` : path;
 }
+$("features-link").href = withKey("features");
 
 async function api(path, body) {
   const response = await fetch(withKey(path), body === undefined ? {} : {

@@ -1,0 +1,86 @@
+"""The one place a :class:`~engine.core.inputs.GenerationRequest` becomes the step loop's
+:class:`~engine.core.request.EngineRequest`: the prompt's token ids (chat template applied), the
+token-id checks against the vocabulary, the context rule, the stop set and every default from the
+config's ``generation`` section. Those rules live here and nowhere else; nothing downstream
+re-validates."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any, Callable, Sequence
+
+from engine.config import GenerationConfig
+from engine.core.inputs import GENERATION_FIELDS, GenerationRequest
+from engine.core.request import EngineRequest
+from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
+from engine.model.sampling import SamplingParams
+
+__all__ = ["InputProcessor", "prompt_limit"]
+
+
+def prompt_limit(max_context: int, max_sequence: int) -> int:
+    """The context rule: a prompt must be shorter than this many tokens (the model's context and
+    the KV slot's length, ``backend.max_sequence``), so at least one token can be generated."""
+    return min(max_context, max_sequence)
+
+
+class InputProcessor:
+    """Turns a :class:`GenerationRequest` into the step loop's :class:`EngineRequest`: the one home
+    of tokenization, vocabulary checks, the context rule, the stop set and the defaults."""
+
+    def __init__(self, *, tokenizer: Any, vocab_size: int, max_context: int, max_sequence: int,
+                 eos_token_ids: Sequence[int], defaults: GenerationConfig,
+                 load_mods: Callable[[Sequence[Any], Sequence[str]], list[Callable[..., Any]]]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.limit = prompt_limit(max_context, max_sequence)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.defaults = defaults
+        self._load_mods = load_mods
+
+    def encode(self, request: GenerationRequest) -> list[int]:
+        """The prompt's token ids: ``input_ids`` as given, else the chat template applied."""
+        if request.input_ids is not None:
+            return check_request_token_ids(list(request.input_ids), self.vocab_size, "input_ids")
+        tokenizer = self.tokenizer
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(request.conversation, tools=list(request.tools) if request.tools
+                                                 else None, add_generation_prompt=True, tokenize=False)
+            return list(tokenizer.encode(text, add_special_tokens=False))
+        if request.prompt is not None:
+            return list(tokenizer.encode(request.prompt))
+        raise InvalidRequestError("this model's tokenizer has no chat template; pass `prompt` or `input_ids`",
+                                  parameter="messages")
+
+    def generation(self, request: GenerationRequest) -> GenerationConfig:
+        """The request's values over the config's defaults (``max_tokens`` capped by a server's limit)."""
+        given = {name: getattr(request, name) for name in GENERATION_FIELDS if getattr(request, name) is not None}
+        if "max_tokens" not in given and request.max_tokens_cap is not None:
+            given["max_tokens"] = min(self.defaults.max_tokens, request.max_tokens_cap)
+        return dataclasses.replace(self.defaults, **given)  # values were checked when the request was built
+
+    def stop_ids(self, gen: GenerationConfig) -> frozenset[int]:
+        """The stop set: the request's stop tokens, and the model's EOS ids unless ``ignore_eos``."""
+        return frozenset(gen.stop_tokens or ()) | (frozenset() if gen.ignore_eos else self.eos_token_ids)
+
+    def process(self, request: GenerationRequest) -> EngineRequest:
+        gen = self.generation(request)
+        if gen.stop_tokens:
+            check_request_token_ids(list(gen.stop_tokens), self.vocab_size, "stop_tokens")
+        banned = tuple(check_request_token_ids(list(request.banned_tokens), self.vocab_size, "banned_tokens"))
+        ids = self.encode(request)
+        if len(ids) >= self.limit:
+            raise ContextOverflowError(f"the prompt must be shorter than {self.limit} tokens (the model's context "
+                                       f"and backend.max_sequence), got {len(ids)}; shorten it",
+                                       parameter="input_ids", value=len(ids))
+        mods = tuple(self._load_mods(request.mods, gen.mod_dirs))
+        penalty = float(request.repetition_penalty) if request.repetition_penalty is not None else 1.0
+        return EngineRequest(
+            request_id=request.request_id if request.request_id is not None else str(uuid.uuid4()),
+            input_ids=tuple(ids), max_tokens=gen.max_tokens,
+            sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k, banned, penalty),
+            stop_ids=self.stop_ids(gen), step_limit=gen.effective_step_limit, seed=gen.seed,
+            logprobs=request.logprobs, attention_all_layers=request.attention == "all",
+            mods=mods, mod_call_timeout_s=gen.mod_call_timeout_s or None, source=request,
+        )

@@ -1,0 +1,197 @@
+"""One typed request in: :class:`GenerationRequest`, what every door builds.
+
+Every door — ``Engine.generate/submit/stream/candidates``, the CLI, prompts files, Ray jobs, the
+GeneratorActor, the OpenAI route and the attention route — builds a :class:`GenerationRequest`.
+Building it checks everything that needs no model (types, ranges, exactly one prompt source), so a
+bad value is the same :class:`~engine.errors.InvalidRequestError` naming the same field whichever
+door it came through. It is frozen and holds only plain data (mods as callables, paths or payload
+dicts), so it crosses Ray unchanged.
+
+:class:`~engine.core.input_processor.InputProcessor` (one per engine: it holds the tokenizer and
+the model's limits) turns it into the step loop's request. This module imports no torch, so the
+CLI and a job's driver check requests without loading it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+from engine.config import GenerationConfig, check_request_id
+from engine.errors import ConfigError, InvalidRequestError, TokenOutOfVocabularyError
+
+__all__ = ["GenerationRequest", "MAX_TOP_LOGPROBS", "as_request"]
+
+MAX_TOP_LOGPROBS = 20
+
+# the fields whose rules (types, ranges) are the config's generation section's: one table for both
+GENERATION_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_tokens", "ignore_eos")
+
+
+def _ints(value: Any, name: str) -> tuple[int, ...] | None:
+    """A sequence of token ids as a tuple, checked without the model: ints (not bools, floats or
+    strings) >= 0; the vocabulary's upper bound is the processor's."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise InvalidRequestError(f"`{name}` must be a list of token ids, got {type(value).__name__}",
+                                  parameter=name, value=value)
+    for i, token in enumerate(value):
+        if type(token) is not int:
+            raise InvalidRequestError(f"`{name}[{i}]` must be an int token id, got {token!r}",
+                                      parameter=f"{name}[{i}]", value=token)
+        if token < 0:
+            raise TokenOutOfVocabularyError(f"`{name}[{i}]` must be a token id >= 0, got {token}",
+                                            parameter=f"{name}[{i}]", value=token)
+    return tuple(value)
+
+
+def _messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("`messages` must be a non-empty list of {role, content} objects",
+                                  parameter="messages", value=type(messages).__name__)
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"`messages[{i}]` must be an object with a string `role`, got {message!r}",
+                                      parameter=f"messages[{i}]", value=message)
+    return tuple(dict(m) for m in messages)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one caller asks for. Exactly one of ``prompt`` (a user turn, chat-templated),
+    ``messages`` (OpenAI shape) or ``input_ids``. ``None`` means the config's default.
+
+    ``mods``: callables, ``.py`` paths (``path.py:function`` picks one) or payload dicts, called in
+    order. ``tools``/``response_format``: OpenAI shapes, read by mods through the conversation
+    API. ``banned_tokens``: ids never sampled. ``repetition_penalty``: > 0, 1.0 is off.
+    ``top_logprobs``: None no log-probs, 0 each token's, k ≤ 20 also its k best alternatives.
+    ``attention="all"``: each streamed token carries every layer's newest attention row.
+    ``max_tokens_cap``: a server's limit on ``max_tokens`` (its default is the config's, capped).
+    """
+
+    prompt: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    input_ids: tuple[int, ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
+    response_format: dict[str, Any] | None = None
+    mods: tuple[Any, ...] = ()
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop_tokens: tuple[int, ...] | None = None
+    ignore_eos: bool | None = None
+    banned_tokens: tuple[int, ...] = ()
+    repetition_penalty: float | None = None
+    top_logprobs: int | None = None
+    attention: Literal["all"] | None = None
+    request_id: str | None = None
+    max_tokens_cap: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise InvalidRequestError(f"give exactly one of prompt, messages, input_ids; got {given or 'none'}",
+                                      parameter="prompt")
+        if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt.strip()):
+            raise InvalidRequestError("`prompt` must be a non-empty string", parameter="prompt", value=self.prompt)
+        if self.messages is not None:
+            object.__setattr__(self, "messages", _messages(self.messages))
+        if self.input_ids is not None:
+            ids = _ints(self.input_ids, "input_ids")
+            if not ids:
+                raise InvalidRequestError("`input_ids` must be a non-empty list of token ids, got []",
+                                          parameter="input_ids", value=[])
+            object.__setattr__(self, "input_ids", ids)
+        if self.tools is not None:
+            if not isinstance(self.tools, (list, tuple)) or not all(isinstance(t, Mapping) for t in self.tools):
+                raise InvalidRequestError(f"`tools` must be a list of objects, got {self.tools!r}"[:300],
+                                          parameter="tools", value=self.tools)
+            object.__setattr__(self, "tools", tuple(dict(t) for t in self.tools))
+        if self.response_format is not None and not isinstance(self.response_format, Mapping):
+            raise InvalidRequestError(f"`response_format` must be an object, got {self.response_format!r}"[:300],
+                                      parameter="response_format", value=self.response_format)
+        mods = self.mods if self.mods is not None else ()
+        if isinstance(mods, (str, bytes, Mapping)) or callable(mods) or not isinstance(mods, Sequence):
+            mods = (mods,)
+        object.__setattr__(self, "mods", tuple(mods))
+        object.__setattr__(self, "stop_tokens", _ints(self.stop_tokens, "stop_tokens"))
+        object.__setattr__(self, "banned_tokens", _ints(self.banned_tokens, "banned_tokens") or ())
+        if self.ignore_eos is not None and not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"`ignore_eos` must be true or false, got {self.ignore_eos!r}",
+                                      parameter="ignore_eos", value=self.ignore_eos)
+        self._check_generation_fields()
+        rp = self.repetition_penalty
+        if rp is not None and not (isinstance(rp, (int, float)) and not isinstance(rp, bool)
+                                   and 0 < rp < math.inf):
+            raise InvalidRequestError(f"`repetition_penalty` must be a finite number > 0, got {rp!r}",
+                                      parameter="repetition_penalty", value=rp)
+        lp = self.top_logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not -1 <= lp <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError(f"`top_logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}",
+                                      parameter="top_logprobs", value=lp)
+        if self.attention not in (None, "all"):
+            raise InvalidRequestError(f"`attention` must be None or 'all', got {self.attention!r}",
+                                      parameter="attention", value=self.attention)
+        if self.request_id is not None:
+            check_request_id(self.request_id)
+        cap = self.max_tokens_cap
+        if cap is not None and self.max_tokens is not None and self.max_tokens > cap:
+            raise InvalidRequestError(f"`max_tokens` must be <= {cap} on this server, got {self.max_tokens}",
+                                      parameter="max_tokens", value=self.max_tokens)
+
+    def _check_generation_fields(self) -> None:
+        """Sampling values by the config's own rules (one table for a YAML default and a request)."""
+        given = {name: getattr(self, name) for name in GENERATION_FIELDS if getattr(self, name) is not None}
+        try:
+            GenerationConfig(**given)
+        except ConfigError as err:
+            raise InvalidRequestError(str(err), parameter=err.parameter, value=err.value) from None
+
+    @property
+    def logprobs(self) -> int:
+        """-1: none; 0: each token's log-prob; k > 0: also its k best alternatives."""
+        return -1 if self.top_logprobs is None else self.top_logprobs
+
+    def replace(self, **changes: Any) -> "GenerationRequest":
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def user_prompt(self) -> str | None:
+        """The user's own words, for the ingest payload: ``prompt`` or the first user message's text."""
+        if self.prompt is not None:
+            return self.prompt
+        return next((m.get("content") for m in self.messages or () if m.get("role") == "user"
+                     and isinstance(m.get("content"), str)), None)
+
+    @property
+    def conversation(self) -> list[dict[str, Any]]:
+        """What mods read through ``get_conversation``: the messages, or the prompt as one user turn."""
+        if self.messages is not None:
+            return [dict(m) for m in self.messages]
+        return [{"role": "user", "content": self.prompt}] if self.prompt is not None else []
+
+
+def as_request(request: GenerationRequest | str | None, fields: dict[str, Any]) -> GenerationRequest:
+    """The caller's request: a :class:`GenerationRequest` as it is, or one built from keyword
+    fields (a positional string is the prompt); an unknown field is an error naming it."""
+    if isinstance(request, GenerationRequest):
+        if fields:
+            raise InvalidRequestError(f"pass a GenerationRequest or its fields as keywords, not both; got "
+                                      f"{sorted(fields)}", parameter=sorted(fields)[0])
+        return request
+    if request is not None:
+        fields = {**fields, "prompt": request}
+    unknown = sorted(set(fields) - _REQUEST_FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"`{unknown[0]}` is not a request field; the fields are "
+                                  f"{', '.join(sorted(_REQUEST_FIELDS))}", parameter=unknown[0])
+    return GenerationRequest(**fields)
+
+
+_REQUEST_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationRequest))
