@@ -15,7 +15,7 @@ $BIN/raylens query top --request-id demo-inline --limit 5
 echo "== the actor pipeline on a Ray instance of its own: prompts in, results out =="
 rm -f artifacts/demo-results.jsonl
 CONCORDANCE_ACTIVATIONS_ENABLED=1 CONCORDANCE_SAE_ENABLED=1 \
-    $BIN/python -m pipelines.generate --address local --prompts scripts/demo-prompts.jsonl \
+    $BIN/python -m pipelines.jobs.generate --address local --prompts scripts/demo-prompts.jsonl \
     --out artifacts/demo-results.jsonl
 $BIN/python - <<'PY'
 import json

@@ -1,6 +1,6 @@
 """``raylens serve`` on Ray Serve: one FastAPI-ingress replica in front of the shared GeneratorActor.
 
-The replica holds no model. It gets the config's actors through :func:`pipelines.topology.build_topology`
+The replica holds no model. It gets the config's actors through :func:`pipelines.cluster.topology.build_topology`
 (named by a key of the config, get-or-create), so ``raylens serve`` and Ray Jobs run with the same
 config share one GeneratorActor, with its SAE workers, StoreActor and IngestActor: an HTTP or
 WebSocket request is one more request in that generator's step loop, batched with whatever else

@@ -112,7 +112,7 @@ class RemoteEngine:
 
         if not generators:
             raise ValueError("RemoteEngine needs at least one GeneratorActor handle; build them with "
-                             "pipelines.topology.build_topology(config)")
+                             "pipelines.cluster.topology.build_topology(config)")
         self.generators = list(generators)
         self.config = config
         model = dict(serve_info["model"])
@@ -125,13 +125,13 @@ class RemoteEngine:
 
     @classmethod
     def connect(cls, config: RaylensConfig) -> "RemoteEngine":
-        """Get or create the config's actors (:func:`pipelines.topology.build_topology`: the same
+        """Get or create the config's actors (:func:`pipelines.cluster.topology.build_topology`: the same
         named actors a Ray Job with this config uses) and load the tokenizer and model config files."""
         import ray
         from transformers import AutoConfig, AutoTokenizer
 
         from engine.model.loading import resolve_model_path
-        from pipelines.topology import build_topology
+        from pipelines.cluster.topology import build_topology
 
         topology = build_topology(config)
         info = ray.get(topology.generator.serve_info.remote(), timeout=config.ray.call_timeout_s)

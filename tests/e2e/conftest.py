@@ -86,7 +86,7 @@ def kill_namespace_actors(config) -> None:
     """Detached actors outlive drivers: remove a test's actors explicitly."""
     import ray
 
-    from pipelines.topology import actor_names
+    from pipelines.cluster.actor_specs import actor_names
 
     for name in actor_names(config):
         try:

@@ -42,7 +42,7 @@ def test_embed_job_writes_parquet_equal_to_the_engine(ray_head, engine, tmp_path
     import pyarrow.parquet as pq
     import ray
 
-    from pipelines.embed import main
+    from pipelines.jobs.embed import main
     from tests.e2e.conftest import wait_until
 
     (tmp_path / "states.jsonl").write_text("".join(json.dumps(t) + "\n" for t in TEXTS), encoding="utf-8")
@@ -70,7 +70,7 @@ def test_embed_job_writes_parquet_equal_to_the_engine(ray_head, engine, tmp_path
 
 
 def test_embed_job_refuses_a_bad_layer_before_embedding(ray_head, tmp_path, capsys):
-    from pipelines.embed import main
+    from pipelines.jobs.embed import main
 
     (tmp_path / "t.txt").write_text("hello\n", encoding="utf-8")
     code = main(["--config", str(REPO / "configs" / "local.yaml"), "--texts-file", "t.txt", "--out", "e.parquet",

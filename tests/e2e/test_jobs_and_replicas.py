@@ -36,7 +36,7 @@ def results(path) -> list[dict]:
 def store_sql(config, sql, params=None):
     import ray
 
-    from pipelines.topology import STORE, actor_roles
+    from pipelines.cluster.actor_specs import STORE, actor_roles
 
     store = ray.get_actor(actor_roles(config)[STORE], namespace=config.ray.namespace)
     return ray.get(store.sql.remote(sql, params or []), timeout=120)
@@ -66,8 +66,8 @@ def base(ray_head, tmp_path_factory):
 def test_two_generator_replicas_share_a_file_and_a_resume_runs_only_the_lines_left(base, tmp_path, capsys):
     import ray
 
-    from pipelines.generate import main
-    from pipelines.topology import build_topology
+    from pipelines.cluster.topology import build_topology
+    from pipelines.jobs.generate import main
 
     config = changed(base, "ray", generators=2)
     rows = [{"prompt": "What is the capital of France?", "max_tokens": 6, "temperature": 0, "request_id": f"r{i}"}
@@ -98,8 +98,9 @@ def test_a_job_with_another_store_path_gets_its_own_actors_and_never_the_old_one
     import ray
 
     from engine.errors import ActorConfigConflictError
-    from pipelines.generate import read_prompts, run
-    from pipelines.topology import STORE, actor_roles, build_topology
+    from pipelines.cluster.actor_specs import STORE, actor_roles
+    from pipelines.cluster.topology import build_topology
+    from pipelines.jobs.generate import read_prompts, run
 
     other = changed(base, "activations", db_path=str(tmp_path / "other.duckdb"))
     first, second = build_topology(base), build_topology(other)
@@ -122,7 +123,7 @@ def test_a_job_with_another_store_path_gets_its_own_actors_and_never_the_old_one
 
 
 def test_a_line_that_fails_at_run_time_fails_alone_and_the_job_goes_on(base, tmp_path):
-    from pipelines.generate import read_prompts, run
+    from pipelines.jobs.generate import read_prompts, run
 
     broken = {"language": "python", "entrypoint": "m", "source": "raise RuntimeError('boom while loading')\n"
                                                                  "def m(event, tokenizer):\n    return None\n"}
@@ -151,8 +152,8 @@ def _rows_match_tokens(config, request_id) -> tuple[int, int]:
 
 
 def test_a_reused_request_id_never_mixes_two_runs_rows_and_a_summary_counts_its_job_only(base, tmp_path):
-    from pipelines.generate import read_prompts, run
-    from pipelines.topology import build_topology
+    from pipelines.cluster.topology import build_topology
+    from pipelines.jobs.generate import read_prompts, run
 
     config = changed(changed(base, "sae", enabled=True, block_steps=2), "ray", sae_workers=1,
                      sae_worker_num_cpus=0.5)
@@ -204,7 +205,7 @@ def test_submit_hands_a_hostile_out_path_and_spaces_to_the_job_untouched(ray_hea
 def test_raylens_stop_all_ends_every_raylens_actor_of_the_namespace(base, tmp_path, capsys):
     """Last in the module: the way to replace actors that run with other settings."""
     from pipelines.cli import main
-    from pipelines.topology import build_topology
+    from pipelines.cluster.topology import build_topology
 
     build_topology(base)
     running = raylens_actors(base.ray.namespace)

@@ -47,7 +47,7 @@ def ingest_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def topology(ray_head, ingest_server, tmp_path_factory):
-    from pipelines.topology import build_topology
+    from pipelines.cluster.topology import build_topology
 
     config = ray_config(tmp_path_factory.mktemp("ray"), ingest_url=ingest_server.url)
     topo = build_topology(config)
@@ -56,7 +56,7 @@ def topology(ray_head, ingest_server, tmp_path_factory):
 
 
 def run_lines(config, tmp_path, rows, name="results"):
-    from pipelines.generate import read_prompts, run
+    from pipelines.jobs.generate import read_prompts, run
 
     prompts = tmp_path / f"{name}.prompts.jsonl"
     write_prompts(prompts, rows)
@@ -166,7 +166,7 @@ def test_a_dead_generator_leaves_missing_blocks_on_record_and_the_request_reruns
 
 
 def test_bad_job_input_names_the_line(tmp_path, capsys):
-    from pipelines.generate import main
+    from pipelines.jobs.generate import main
 
     assert main(["--prompts", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o.jsonl")]) == 2
     assert "prompts file" in capsys.readouterr().err
@@ -196,7 +196,7 @@ def test_a_cancelled_job_leaves_the_actors_usable(ray_head, topology, tmp_path):
     prompts, out = tmp_path / "many.jsonl", tmp_path / "many-results.jsonl"
     write_prompts(prompts, [{"prompt": f"Count to {i}.", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
                             for i in range(12)])
-    job = client.submit_job(entrypoint=f"{sys.executable} -m pipelines.generate --config "
+    job = client.submit_job(entrypoint=f"{sys.executable} -m pipelines.jobs.generate --config "
                                        f"{_job_config_file(topology.config, tmp_path)} --prompts {prompts} --out {out}")
     wait_until(lambda: out.exists() and out.read_text().count("\n") >= 1, timeout=300, what="a first result")
     client.stop_job(job)
@@ -212,7 +212,7 @@ def test_a_job_with_a_bad_line_fails_through_the_jobs_api_with_the_line_named(ra
     client = JobSubmissionClient(ray_head.dashboard_url)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"promt": "typo"}\n')
-    job = client.submit_job(entrypoint=f"{sys.executable} -m pipelines.generate --config "
+    job = client.submit_job(entrypoint=f"{sys.executable} -m pipelines.jobs.generate --config "
                                        f"{_job_config_file(topology.config, tmp_path)} --prompts {bad} "
                                        f"--out {tmp_path / 'x.jsonl'}")
     status = wait_until(lambda: (s := client.get_job_status(job)) in (JobStatus.SUCCEEDED, JobStatus.FAILED) and s,
@@ -225,7 +225,7 @@ def test_payloads_are_spooled_while_ingest_is_down_then_delivered(ray_head, tmp_
     import ray
 
     from engine.services.ingest_server import IngestServer
-    from pipelines.topology import build_topology
+    from pipelines.cluster.topology import build_topology
 
     port = free_port()
     config = ray_config(tmp_path, ingest_url=f"http://127.0.0.1:{port}/v1/ingest")
@@ -279,7 +279,7 @@ def test_when_sae_workers_fall_behind_the_generator_waits_and_nothing_is_lost(ra
     wait for the worker again and again (back-pressure) and still store every block."""
     import ray
 
-    from pipelines.topology import build_topology
+    from pipelines.cluster.topology import build_topology
 
     config = ray_config(tmp_path, sae_workers=1, max_inflight_blocks=1)
     config = dataclasses.replace(config, sae=dataclasses.replace(config.sae, block_steps=1))
@@ -306,7 +306,8 @@ def _no_actor_named(name, namespace) -> bool:
 
 def test_a_config_the_cluster_cannot_hold_fails_at_once_and_creates_nothing(ray_head, tmp_path):
     from engine.errors import ClusterCapacityError
-    from pipelines.topology import actor_names, build_topology
+    from pipelines.cluster.actor_specs import actor_names
+    from pipelines.cluster.topology import build_topology
 
     config = ray_config(tmp_path, generator_num_cpus=64)
     with pytest.raises(ClusterCapacityError, match=r"raylens-generator asks for 64 CPU"):
@@ -325,7 +326,8 @@ def test_actors_that_cannot_be_placed_in_time_fail_the_job_and_are_removed(ray_h
     import ray
 
     from engine.errors import ClusterCapacityError
-    from pipelines.topology import GENERATOR, actor_names, build_topology, generator_name
+    from pipelines.cluster.actor_specs import GENERATOR, actor_names, generator_name
+    from pipelines.cluster.topology import build_topology
 
     free = ray.available_resources().get("CPU", 0.0)
 
@@ -353,7 +355,8 @@ def test_actors_that_cannot_be_placed_in_time_fail_the_job_and_are_removed(ray_h
 
 def test_a_generator_that_cannot_load_its_model_fails_the_job_with_its_own_error(ray_head, tmp_path):
     from engine.errors import ActorStartError
-    from pipelines.topology import GENERATOR, build_topology, generator_name
+    from pipelines.cluster.actor_specs import GENERATOR, generator_name
+    from pipelines.cluster.topology import build_topology
 
     config = ray_config(tmp_path, actor_start_timeout_s=120)
     config = dataclasses.replace(config, sae=dataclasses.replace(config.sae, enabled=False),

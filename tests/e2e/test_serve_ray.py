@@ -23,9 +23,9 @@ def served(ray_head, tmp_path_factory):
     import ray
     from ray import serve
 
+    from pipelines.cluster.actor_specs import actor_roles
     from pipelines.serve.deployment import APP_NAME, deploy
     from pipelines.serve.settings import ServeSettings
-    from pipelines.topology import actor_roles
 
     settings = ServeSettings(host="127.0.0.1", port=free_port(), max_new_tokens=256, request_timeout_s=120,
                              allow_mod_registration=True)
@@ -218,11 +218,11 @@ def test_a_generator_that_encodes_inline_streams_each_tokens_sae_features_and_st
     import ray
     import websockets
 
+    from pipelines.cluster.actor_specs import actor_roles
     from pipelines.serve.app import build_app
     from pipelines.serve.local import serve_in_thread
     from pipelines.serve.remote_engine import RemoteEngine
     from pipelines.serve.settings import ServeSettings
-    from pipelines.topology import actor_roles
     from tests.e2e.conftest import ray_config
 
     base = ray_config(tmp_path, sae_workers=1, sae_worker_num_cpus=0.25)

@@ -31,7 +31,7 @@ def held_store(ray_head, tmp_path_factory):
 
     from actors import StoreActor
     from engine.config import load_config
-    from pipelines.topology import STORE, actor_roles
+    from pipelines.cluster.actor_specs import STORE, actor_roles
 
     tmp = tmp_path_factory.mktemp("routing")
     cfg_path = tmp / "cfg.yaml"

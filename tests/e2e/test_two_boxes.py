@@ -37,8 +37,8 @@ def two_nodes():
 def test_sae_workers_run_on_the_second_box_and_rows_land_in_the_one_store(two_nodes, tmp_path):
     import ray
 
-    from pipelines.generate import read_prompts, run
-    from pipelines.topology import build_topology
+    from pipelines.cluster.topology import build_topology
+    from pipelines.jobs.generate import read_prompts, run
 
     cluster, sae_box = two_nodes
     config = ray_config(tmp_path, sae_worker_resource="sae_gpu")

@@ -7,7 +7,7 @@ from tests.helpers import build_config
 
 
 def test_decode_modes_bench_reports_every_mode_and_compares_their_tokens():
-    from pipelines.bench_decode_modes import format_decode_modes, run_decode_modes_bench
+    from pipelines.bench.decode_modes import format_decode_modes, run_decode_modes_bench
 
     report = run_decode_modes_bench(build_config(max_sequence=128), modes=("off", "static"), concurrency=2,
                                     new_tokens=3, repeats=1)
@@ -29,7 +29,7 @@ def test_decode_modes_bench_refuses_two_concurrency_values_with_a_usage_error(ca
 
 
 def test_concurrency_bench_has_the_overlap_row_and_the_host_gap_of_each_raylens_row(engine):
-    from pipelines.bench_batching import format_concurrency, run_concurrency_bench
+    from pipelines.bench.batching import format_concurrency, run_concurrency_bench
 
     report = run_concurrency_bench(engine, concurrency=[2], new_tokens=3, repeats=1)
     paths = {row["path"]: row for row in report["rows"]}

@@ -46,7 +46,7 @@ def test_python_refuses_the_bad_value_naming_the_field(engine, field, value, mes
 
 @pytest.mark.parametrize(("field", "value", "message"), BAD)
 def test_a_prompts_file_refuses_the_bad_value_with_the_same_message(tmp_path, field, value, message):
-    from pipelines.prompts_file import InputError, read_prompts
+    from pipelines.jobs.prompts_file import InputError, read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "Say hi.", field: value}) + "\n", encoding="utf-8")

@@ -99,7 +99,7 @@ def test_generate_with_sae_then_query_from_the_cli(capsys, tmp_path, monkeypatch
 
 
 def test_the_training_pipeline_runs_end_to_end_on_a_small_budget(engine, tmp_path):
-    from pipelines.train_sae import main
+    from pipelines.sae_training.train import main
 
     out = tmp_path / "sae"
     assert main(["--corpus", "cpython", "--tokens", "6000", "--width", "256", "--k", "8", "--train-batch", "512",

@@ -28,7 +28,7 @@ def config():
     ("ray", {"store_num_cpus": 1.0}, {"raylens-store", "raylens-sae-0", "raylens-generator"}),
 ])
 def test_a_config_that_differs_in_what_an_actor_holds_names_other_actors(config, section, values, roles):
-    from pipelines.topology import actor_roles
+    from pipelines.cluster.actor_specs import actor_roles
 
     before, after = actor_roles(config), actor_roles(changed(config, section, **values))
     differ = {role for role in before if before[role] != after.get(role)}
@@ -38,14 +38,14 @@ def test_a_config_that_differs_in_what_an_actor_holds_names_other_actors(config,
 
 
 def test_settings_that_shape_no_actor_keep_the_same_names(config):
-    from pipelines.topology import actor_roles
+    from pipelines.cluster.actor_specs import actor_roles
 
     same = changed(config, "ray", namespace="other", actor_start_timeout_s=5.0, connect_timeout_s=1.0)
     assert actor_roles(same) == actor_roles(config)
 
 
 def test_generator_replicas_have_distinct_names_and_each_asks_for_its_resources(config):
-    from pipelines.topology import actor_roles, actor_specs, check_capacity, generator_name
+    from pipelines.cluster.actor_specs import actor_roles, actor_specs, check_capacity, generator_name
 
     scaled = changed(config, "ray", generators=3, generator_num_cpus=1.0)
     roles = actor_roles(scaled)
@@ -74,7 +74,7 @@ def test_a_config_read_back_from_yaml_keys_the_same_actors(config, tmp_path):
     import yaml
 
     from engine.config import load_config
-    from pipelines.topology import actor_roles
+    from pipelines.cluster.actor_specs import actor_roles
 
     config = changed(config, "ray", call_timeout_s=120)  # an int in a float field, as dataclasses.replace allows
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config.to_dict()))

@@ -9,7 +9,7 @@ import pytest
 
 from engine.config import load_config
 from engine.errors import ClusterCapacityError
-from pipelines.topology import actor_keys, actor_roles, actor_specs, check_capacity
+from pipelines.cluster.actor_specs import actor_keys, actor_roles, actor_specs, check_capacity
 from tests.helpers import REPO, build_config
 
 

@@ -87,7 +87,7 @@ def test_parse_bool_is_the_one_bool_parser():
 
 
 def test_ray_commands_turn_on_token_auth_when_a_token_exists(tmp_path, monkeypatch):
-    from pipelines.ray_commands import prepare_ray_env
+    from pipelines.cli.ray_commands import prepare_ray_env
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)

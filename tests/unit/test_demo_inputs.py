@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from pipelines.generate import read_prompts
+from pipelines.jobs.generate import read_prompts
 from tests.helpers import REPO
 
 

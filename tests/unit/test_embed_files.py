@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.errors import InvalidRequestError
-from pipelines.embed import TextLine, read_texts, write_embeddings
+from pipelines.jobs.embed import TextLine, read_texts, write_embeddings
 
 
 def test_plain_texts_file_skips_blank_lines_and_keeps_line_numbers(tmp_path):

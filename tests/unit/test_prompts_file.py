@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.config import REQUEST_ID_MAX_CHARS
-from pipelines.prompts_file import InputError, read_prompts
+from pipelines.jobs.prompts_file import InputError, read_prompts
 
 FINE = {"prompt": "Say hi.", "max_tokens": 8, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 2**64 - 1,
         "stop_tokens": [1, 2], "request_id": "r" * REQUEST_ID_MAX_CHARS}
@@ -64,7 +64,7 @@ def test_an_empty_or_malformed_source_is_refused(tmp_path, source):
 
 
 def test_the_job_exits_2_with_one_line_for_a_bad_value(tmp_path, capsys):
-    from pipelines.generate import main
+    from pipelines.jobs.generate import main
 
     path = write(tmp_path / "p.jsonl", '{"prompt": "x", "top_p": 7}')
     assert main(["--prompts", str(path), "--out", str(tmp_path / "o.jsonl")]) == 2
@@ -130,7 +130,7 @@ def test_a_broken_payload_is_refused_up_front_with_its_line(tmp_path, payload, m
 def test_a_results_file_is_put_in_input_order_keeping_every_line(tmp_path):
     import json
 
-    from pipelines.generate import _order_by_line
+    from pipelines.jobs.generate import _order_by_line
 
     out = tmp_path / "results.jsonl"
     rows = [{"line": 3, "x": "c"}, {"line": 1, "x": "a"}, {"line": 2, "x": "b"}]

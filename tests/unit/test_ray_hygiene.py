@@ -19,7 +19,7 @@ def test_every_ray_start_in_the_readme_disables_usage_stats():
 def test_the_demo_script_turns_usage_stats_off_before_starting_ray():
     script = (REPO / "scripts" / "demo.sh").read_text()
     export = script.find("export RAY_USAGE_STATS_ENABLED=0")
-    first_ray = min(i for i in (script.find("pipelines.generate"), script.find("ray start")) if i >= 0)
+    first_ray = min(i for i in (script.find("pipelines.jobs.generate"), script.find("ray start")) if i >= 0)
     assert 0 <= export < first_ray, "scripts/demo.sh must export RAY_USAGE_STATS_ENABLED=0 before Ray starts"
 
 

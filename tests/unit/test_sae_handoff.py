@@ -20,7 +20,7 @@ from engine.errors import ConfigError
 from engine.model.backend import ForwardRecord
 from engine.services.sae_handoff import (HandoffStats, LocalTransport, RetryPolicy, SAEHandoff, build_handoff,
                                          handoff_mode)
-from pipelines.topology import runs_sae_workers
+from pipelines.cluster.actor_specs import runs_sae_workers
 
 from .test_sae_and_recorder import D_IN, LAYER, load, sae_dir  # noqa: F401  (the module's SAE fixture)
 

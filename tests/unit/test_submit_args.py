@@ -30,7 +30,7 @@ def submit_args(tmp_path, out: str) -> argparse.Namespace:
 
 
 def _job_argv(argv, runtime_env):
-    from pipelines import generate
+    from pipelines.jobs import generate
 
     previous = os.environ.get("RAYLENS_JOB_ARGS")
     os.environ["RAYLENS_JOB_ARGS"] = runtime_env["env_vars"]["RAYLENS_JOB_ARGS"]
@@ -43,8 +43,8 @@ def _job_argv(argv, runtime_env):
 
 
 def test_the_entrypoint_holds_no_user_value(tmp_path):
-    from pipelines.generate import job_entrypoint
-    from pipelines.ray_commands import job_request
+    from pipelines.cli.ray_commands import job_request
+    from pipelines.jobs.generate import job_entrypoint
 
     entrypoint, runtime_env = job_request(submit_args(tmp_path, str(tmp_path / HOSTILE)), tmp_path / "a dir")
     assert entrypoint == job_entrypoint() and "PWNED" not in entrypoint and str(tmp_path) not in entrypoint
@@ -57,7 +57,7 @@ def test_the_entrypoint_holds_no_user_value(tmp_path):
 def test_the_arguments_reach_the_job_exactly_through_a_real_shell(tmp_path):
     """Run the entrypoint as Ray does (through a shell), with a stand-in `python` that records the
     arguments the job's `main` would parse; the hostile value must arrive whole and run nothing."""
-    from pipelines.ray_commands import job_request
+    from pipelines.cli.ray_commands import job_request
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -66,7 +66,7 @@ def test_the_arguments_reach_the_job_exactly_through_a_real_shell(tmp_path):
     recorder.write_text(f"#!{sys.executable}\n"
                         "import json, sys\n"
                         f"sys.path.insert(0, {str(os.getcwd())!r})\n"
-                        "from pipelines.generate import _job_argv\n"
+                        "from pipelines.jobs.generate import _job_argv\n"
                         f"open({str(record)!r}, 'w').write(json.dumps(_job_argv(sys.argv[3:])))\n")
     recorder.chmod(recorder.stat().st_mode | stat.S_IEXEC)
     out = str(tmp_path / HOSTILE)
@@ -87,9 +87,9 @@ def test_the_arguments_reach_the_job_exactly_through_a_real_shell(tmp_path):
 
 
 def test_a_job_given_a_malformed_argument_list_says_so(monkeypatch):
-    from pipelines.generate import _job_argv
+    from pipelines.jobs.generate import _job_argv
 
-    from pipelines.generate import encode_job_args
+    from pipelines.jobs.generate import encode_job_args
 
     monkeypatch.setenv("RAYLENS_JOB_ARGS", '{"not": "base64"}')
     with pytest.raises(SystemExit, match="must hold a base64 JSON list"):
@@ -139,7 +139,7 @@ def _listener(answer: bytes | None):
 def test_a_listener_that_never_answers_fails_within_the_connect_timeout():
     """The slow case: TCP connects, nothing answers; `ray.init` would wait for minutes."""
     from engine.errors import ClusterUnreachableError
-    from pipelines.topology import probe_address
+    from pipelines.cluster.connection import probe_address
 
     silent = _listener(None)
     answering = _listener(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # an HTTP/2 SETTINGS frame, as gRPC sends

@@ -11,7 +11,7 @@ way through (an out-of-range ``top_p``) used to kill the whole job with a traceb
 line. Each line becomes a ``GenerationRequest``, whose checks are the ones every door applies, so
 a prompts file, the CLI, Python and the HTTP APIs give the same error for the same value (here
 prefixed with the file and line). What needs the model (the vocabulary, the context length) is
-checked by the generator; a line that still fails at run time fails alone (``pipelines.generate``).
+checked by the generator; a line that still fails at run time fails alone (``pipelines.jobs.generate``).
 
 Mods are read here to be shipped as payloads, but their code is only *parsed*
 (:func:`mods.loading.check_payload`, :func:`mods.loading.payload_for_file`): a prompts file is

@@ -1,8 +1,8 @@
 """Train an SAE for the embedded model's residual stream with sae-lens — seeded, reproducible.
 
-    python -m pipelines.train_sae [--tokens 1000000] [--out DIR]      (also: raylens train-sae)
+    python -m pipelines.sae_training.train [--tokens 1000000] [--out DIR]      (also: raylens train-sae)
 
-Corpus (``--corpus broad``, the default): :mod:`pipelines.sae_corpus` — ordinary English prose
+Corpus (``--corpus broad``, the default): :mod:`pipelines.sae_training.corpus` — ordinary English prose
 (fiction, encyclopaedic entries, news-like clippings, instructions), conversations in the model's
 chat template, and code/documentation (the Python docs, the standard library, man pages), all from
 Debian packages fetched by name into ``artifacts/sae-corpus`` (git-ignored). Users prompt the
@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipelines.sae_corpus import DEFAULT_CACHE
+from pipelines.sae_training.corpus import DEFAULT_CACHE
 
 __all__ = ["TrainConfig", "collect_activations", "train", "evaluate", "main"]
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "engine" / "assets" / "saes" / "smollm2-135m-instruct-l16"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "engine" / "assets" / "saes" / "smollm2-135m-instruct-l16"
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.config import load_config
     from engine.model.loading import load_model_and_tokenizer
-    from pipelines.sae_corpus import build_corpus
+    from pipelines.sae_training.corpus import build_corpus
 
     cfg, args = _parse(argv)
     started = time.perf_counter()

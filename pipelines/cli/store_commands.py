@@ -137,7 +137,7 @@ def query_through_store_actor(cfg: Any, locked: Exception, name: str, call_args:
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-    from .topology import connect
+    from pipelines.cluster.connection import connect
 
     db_path = str(Path(cfg.activations.db_path).resolve())
     how = (f"stop the process that holds it, or run the query where raylens' Ray cluster runs "
@@ -170,7 +170,7 @@ def _store_actor_for(cfg: Any, db_path: str) -> Any | None:
     raylens StoreActor in the namespace that reports that file (one built with other settings)."""
     import ray
 
-    from .topology import STORE, actor_roles
+    from pipelines.cluster.actor_specs import STORE, actor_roles
 
     namespace = cfg.ray.namespace
     names = [actor_roles(cfg)[STORE]]
@@ -306,10 +306,16 @@ def _add_store(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_sae(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-sae", help="train an SAE for the embedded model (see pipelines/train_sae.py)",
+    p = sub.add_parser("train-sae", help="train an SAE for the embedded model (see pipelines/sae_training/train.py)",
                        add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda args: __import__("pipelines.train_sae", fromlist=["main"]).main(args.rest))
+    p.set_defaults(func=_cmd_train_sae)
+
+
+def _cmd_train_sae(args: argparse.Namespace) -> int:
+    from pipelines.sae_training.train import main
+
+    return main(args.rest)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

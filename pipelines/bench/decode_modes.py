@@ -31,8 +31,8 @@ def run_decode_modes_bench(config: Any, *, modes: Sequence[str] = DECODE_MODES, 
     from engine import Engine
     from engine.config import RaylensConfig, load_config
 
-    from .bench import _machine
-    from .bench_batching import _prompts
+    from .measure import _machine
+    from .batching import _prompts
 
     base = config if isinstance(config, RaylensConfig) else load_config(config)
     workloads = {1: _prompts(1), concurrency: _prompts(concurrency)}

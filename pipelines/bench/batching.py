@@ -41,7 +41,7 @@ PROMPTS = [
     "List five things to pack for a camping trip and say why.",
     "How do bees make honey?",
 ]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _prompts(n: int) -> list[str]:
@@ -91,7 +91,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     backend = engine.backend
     model, tokenizer = backend.model, engine.tokenizer
     device = backend.device
-    from .bench import _mask_mod
+    from .measure import _mask_mod
 
     logits_mod = _mask_mod()  # the single-stream bench's logits mod: numpy edit, back through from_numpy
     if max(concurrency) > backend.max_batch:

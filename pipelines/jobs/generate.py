@@ -1,9 +1,9 @@
 """Ray Job entry point: prompts JSONL in, results JSONL out, through the raylens actors.
 
-    ray job submit --working-dir . -- python -m pipelines.generate --config configs/local.yaml \\
+    ray job submit --working-dir . -- python -m pipelines.jobs.generate --config configs/local.yaml \\
         --prompts prompts.jsonl --out results.jsonl
 
-The prompts file is read and every value checked first (:mod:`pipelines.prompts_file`); a bad line
+The prompts file is read and every value checked first (:mod:`pipelines.jobs.prompts_file`); a bad line
 is named (``prompts.jsonl:7: …``) and the job exits 2. Relative paths (prompts, out, and the
 config's store and spool) are taken under ``--workdir`` (default: the current directory): a Ray Job
 runs in a throwaway copy of ``--working-dir``, so pass ``--workdir $PWD`` to keep results and the
@@ -52,7 +52,7 @@ JOB_ARGS_ENV = "RAYLENS_JOB_ARGS"
 def job_entrypoint() -> str:
     """The Ray Job entrypoint ``raylens submit`` uses: a constant, with no user value in it (the
     values travel in :data:`JOB_ARGS_ENV` of the job's runtime_env)."""
-    return f"python -m pipelines.generate --args-from-env {JOB_ARGS_ENV}"
+    return f"python -m pipelines.jobs.generate --args-from-env {JOB_ARGS_ENV}"
 
 
 def encode_job_args(argv: Sequence[str]) -> str:
@@ -119,8 +119,7 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
     from ray.exceptions import RayActorError, RayTaskError
 
     from engine.config import REQUEST_ID_MAX_CHARS
-
-    from .topology import build_topology
+    from pipelines.cluster.topology import build_topology
 
     topo = build_topology(config)
     timeout = config.ray.call_timeout_s
@@ -260,13 +259,13 @@ def _job_argv(argv: Sequence[str] | None) -> list[str]:
     except (KeyError, ValueError, binascii.Error):  # JSON and base64 errors are ValueErrors too
         values = None
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise SystemExit(f"python -m pipelines.generate: error: `{args[1]}` must hold a base64 JSON list of "
+        raise SystemExit(f"python -m pipelines.jobs.generate: error: `{args[1]}` must hold a base64 JSON list of "
                          "argument strings (raylens submit sets it)")
     return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.generate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipelines.jobs.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="raylens YAML (default configs/local.yaml or $RAYLENS_CONFIG)")
     parser.add_argument("--prompts", required=True, help="JSONL, one request per line")
     parser.add_argument("--out", required=True, help="results JSONL (appended; done lines are skipped)")
@@ -290,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         todo = [line for line in lines if line.line not in done]
         if done:
             progress(f"resuming: {len(done)} line(s) already in {out}, {len(todo)} to go")
-        from .topology import connect
+        from pipelines.cluster.connection import connect
 
         connect(config, args.address)
         summary = run(config, todo, out, progress=progress)

@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["add_commands", "prepare_ray_env", "job_request"]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _UPLOAD_EXCLUDES = [".venv", ".git", "artifacts", "bench-results", "**/__pycache__", "*.duckdb", "*.duckdb.wal"]
 
 
@@ -46,7 +46,7 @@ def job_request(args: argparse.Namespace, cwd: Path) -> tuple[str, dict[str, Any
     ``--out`` would run a command on the cluster, and a path with a space would split. The
     entrypoint is a constant; the arguments travel, encoded, in the job's environment.
     """
-    from .generate import JOB_ARGS_ENV, encode_job_args, job_entrypoint
+    from pipelines.jobs.generate import JOB_ARGS_ENV, encode_job_args, job_entrypoint
 
     argv = ["--workdir", str(cwd), "--prompts", str(Path(args.prompts).resolve()),
             "--out", str(Path(args.out).resolve())]
@@ -59,8 +59,7 @@ def job_request(args: argparse.Namespace, cwd: Path) -> tuple[str, dict[str, Any
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     from engine.config import load_config
-
-    from .generate import read_prompts
+    from pipelines.jobs.generate import read_prompts
 
     read_prompts(Path(args.prompts).resolve())  # a bad line fails here, naming the line, before anything is submitted
     config = load_config(args.config)
@@ -68,7 +67,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     prepare_ray_env()
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    from .topology import probe_address
+    from pipelines.cluster.connection import probe_address
 
     address = args.address or config.ray.dashboard_url
     probe_address(address, config.ray.connect_timeout_s, what="Ray dashboard (Jobs API)", key="ray.dashboard_url")
@@ -106,7 +105,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _raylens_actors(namespace: str) -> list[str]:
     import ray
 
-    from .topology import RAYLENS_PREFIX
+    from pipelines.cluster.actor_specs import RAYLENS_PREFIX
 
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["namespace"] == namespace and a["name"].startswith(RAYLENS_PREFIX))
@@ -119,7 +118,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     prepare_ray_env(config.ray.connect_timeout_s)
     import ray
 
-    from .topology import INGEST, STORE, actor_roles, connect
+    from pipelines.cluster.actor_specs import INGEST, STORE, actor_roles
+    from pipelines.cluster.connection import connect
 
     connect(config, args.address)
     timeout = min(30.0, config.ray.call_timeout_s)
@@ -153,7 +153,8 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     prepare_ray_env(config.ray.connect_timeout_s)
     import ray
 
-    from .topology import actor_names, connect
+    from pipelines.cluster.actor_specs import actor_names
+    from pipelines.cluster.connection import connect
 
     connect(config, args.address)
     running = set(_raylens_actors(config.ray.namespace))

@@ -1,6 +1,6 @@
 """Ray Job entry point: a texts file in, one embedding per text out (Parquet), on an EmbedActor.
 
-    ray job submit --working-dir . -- python -m pipelines.embed --texts-file states.txt \\
+    ray job submit --working-dir . -- python -m pipelines.jobs.embed --texts-file states.txt \\
         --out embeddings.parquet --workdir $PWD [--layer L] [--pool mean|last]
 
 A texts file holds one text per line (blank lines are skipped), or, when it ends in ``.jsonl``,
@@ -153,7 +153,7 @@ def run(config: Any, texts: Sequence[str], *, layer: int | None = None, pool: st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipelines.embed", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pipelines.jobs.embed", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="raylens YAML (default configs/local.yaml or $RAYLENS_CONFIG)")
     parser.add_argument("--texts-file", required=True, help="one text per line, or .jsonl: JSON strings/{text}")
     parser.add_argument("--out", required=True, help="output: .parquet (line, text, embedding) or .npy")
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         base, config = load_job_config(args.config, args.workdir)
         lines = read_texts(base / args.texts_file)
         out = check_output(base / args.out)
-        from .topology import connect
+        from pipelines.cluster.connection import connect
 
         connect(config, args.address)
         vectors, info = run(config, [t.text for t in lines], layer=args.layer, pool=args.pool,

@@ -1,0 +1,140 @@
+"""``raylens bench``: its arguments, and which bench each flag runs; results printed as tables and,
+with ``--out FILE``, written as JSON.
+
+The measurements live in :mod:`pipelines.bench`; this module only loads the engine they share and
+prints what they return.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["add_commands", "run_cli"]
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="tokens/s of raylens paths beside bare model.generate")
+    p.add_argument("--config")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--sae", action="store_true", help="also: SAE encode, store append, generation with nearline SAE")
+    p.add_argument("--ray", action="store_true", help="also: the Ray path end to end vs the in-process engine")
+    p.add_argument("--serve", action="store_true",
+                   help="only: the WebSocket server's per-token latency, bytes and concurrent tokens/s vs in-process")
+    p.add_argument("--internals", action="store_true",
+                   help="instead: embeddings/s batched vs one by one, and a full named-tensor dump vs a plain forward")
+    p.add_argument("--concurrency", type=int, action="append", metavar="N",
+                   help="instead: N concurrent requests beside transformers' padded batch of N (repeatable)")
+    p.add_argument("--decode-modes", action="store_true",
+                   help="instead: backend.graph_decode off / static / compile side by side, compile time included "
+                        "(with --concurrency N: 1 and N requests; default 8)")
+    p.add_argument("--random-model", choices=["llama31-8b"],
+                   help="on a CUDA machine: benchmark this architecture with random bf16 weights (built once)")
+    p.add_argument("--tokenizer", help="with --random-model: a tokenizer directory (default: the embedded model's)")
+    p.set_defaults(func=run_cli)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    _add_bench(sub)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    from engine import Engine
+    from pipelines.bench.batching import build_random_model, format_concurrency, run_concurrency_bench
+    from pipelines.bench.generation_paths import format_table, run_bench
+    from pipelines.bench.ray_pipeline import format_ray, run_ray_bench
+    from pipelines.bench.sae_nearline import format_sae, run_sae_bench
+    from pipelines.bench.strategy_masks import format_strategy, run_strategy_bench
+
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if getattr(args, "decode_modes", False):  # its own engines, one per mode
+        return _decode_modes_cli(args, progress)
+    overrides: dict[str, dict[str, Any]] = {}
+    if getattr(args, "random_model", None):
+        path = build_random_model(args.random_model, tokenizer=getattr(args, "tokenizer", None), progress=progress)
+        # a static cache is allocated whole: size it to the bench's requests, not the model's 128k context
+        overrides["backend"] = {"model_id": str(path), "device": "cuda", "dtype": "bfloat16", "max_sequence": 1024}
+        overrides["activations"] = {"enabled": False}
+        overrides["sae"] = {"enabled": False}
+    concurrency = sorted(set(getattr(args, "concurrency", None) or []))
+    if concurrency:
+        overrides.setdefault("backend", {})["max_batch"] = max(concurrency)
+    print("raylens bench: loading model…", file=sys.stderr, flush=True)
+    with Engine.from_config(args.config, overrides=overrides or None) as engine:
+        if getattr(args, "internals", False):  # its own rows only: embeddings and named capture
+            return _internals_cli(engine, args, progress)
+        if getattr(args, "serve", False):  # its own rows only: the HTTP/WebSocket server
+            return _serve_cli(engine, args, progress)
+        if concurrency:
+            report = {"concurrency": run_concurrency_bench(engine, concurrency=concurrency,
+                                                           new_tokens=args.new_tokens, repeats=args.repeats,
+                                                           progress=progress)}
+            print(format_concurrency(report["concurrency"]))
+            _write_report(args.out, report)
+            return 0
+        report = run_bench(engine, new_tokens=args.new_tokens, repeats=args.repeats, progress=progress)
+        if args.sae:
+            report["sae"] = run_sae_bench(engine, new_tokens=args.new_tokens, repeats=args.repeats,
+                                          progress=progress)
+        if args.ray:
+            report["ray"] = run_ray_bench(engine, new_tokens=min(args.new_tokens, 64), progress=progress)
+        report["strategy"] = run_strategy_bench(engine)
+    print(format_table(report))
+    print()
+    print(format_strategy(report["strategy"]))
+    if args.sae:
+        print()
+        print(format_sae(report["sae"]))
+    if args.ray:
+        print()
+        print(format_ray(report["ray"]))
+    _write_report(args.out, report)
+    return 0
+
+
+def _internals_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    from pipelines.bench.internals import format_internals, run_internals_bench
+
+    report = {"internals": run_internals_bench(engine, repeats=args.repeats, progress=progress)}
+    print(format_internals(report["internals"]))
+    _write_report(args.out, report)
+    return 0
+
+
+def _serve_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    from pipelines.bench.serving import format_serve, run_serve_bench
+
+    report = {"serve": run_serve_bench(engine, new_tokens=min(args.new_tokens, 64), progress=progress)}
+    print(format_serve(report["serve"]))
+    _write_report(args.out, report)
+    return 0
+
+
+def _write_report(out: str | None, report: dict[str, Any]) -> None:
+    """``--out FILE``: the report as JSON."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+        print(f"wrote {out}", file=sys.stderr)
+
+
+def _decode_modes_cli(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    from engine.config import load_config
+    from pipelines.bench.decode_modes import format_decode_modes, run_decode_modes_bench
+
+    from .arguments import UsageError
+
+    counts = sorted(set(args.concurrency or [8]))
+    if len(counts) > 1:
+        raise UsageError("--decode-modes takes at most one --concurrency N")
+    print("raylens bench: loading one engine per decode mode…", file=sys.stderr, flush=True)
+    report = run_decode_modes_bench(load_config(args.config), concurrency=counts[0], new_tokens=args.new_tokens,
+                                    repeats=args.repeats, progress=progress)
+    print(format_decode_modes(report))
+    _write_report(args.out, report)
+    return 0
