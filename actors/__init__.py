@@ -1,7 +1,7 @@
 """Ray actors: thin wrappers over ``engine/`` that add placement, batching and fault handling.
 
 GeneratorActor (model + mod loop) → SAEWorkerActor (nearline SAE encoding) → StoreActor (the one
-DuckDB writer); IngestActor batches observability payloads. ``pipelines/topology.py`` creates
+DuckDB writer); IngestActor batches observability payloads. ``pipelines/cluster/topology.py`` creates
 them; nothing here runs at import time.
 """
 

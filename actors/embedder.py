@@ -2,7 +2,7 @@
 
 Thin, as actors are: ``__init__`` builds an :class:`engine.Engine` from the config (without SAE,
 store or ingest, which embedding never uses) and ``embed`` forwards to ``Engine.embed``. The
-embedding job (``pipelines/embed.py``) creates it with the configured resources, sends it chunks
+embedding job (``pipelines/jobs/embed.py``) creates it with the configured resources, sends it chunks
 and kills it at the end; it holds no state besides the model, so a chunk may simply be resent.
 """
 

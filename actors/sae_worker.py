@@ -2,7 +2,7 @@
 
 It acknowledges a block only after the StoreActor committed its rows. Encoding is idempotent (the
 store keys batches by id), so a block whose worker died may simply be sent to another worker.
-Placement: ``pipelines/topology.py`` gives workers the configured custom resource, so on a
+Placement: ``pipelines/cluster/actor_specs.py`` gives workers the configured custom resource, so on a
 two-box cluster they run only on the box that offers it.
 """
 

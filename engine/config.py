@@ -316,7 +316,7 @@ class SAEConfig:
 
 @dataclass(frozen=True)
 class RayConfig:
-    """The Ray deployment: actor counts, resources and bounds (read by pipelines/topology.py).
+    """The Ray deployment: actor counts, resources and bounds (read by pipelines/cluster/actor_specs.py).
 
     ``sae_worker_resource`` names a custom resource SAE workers require, so they run only on nodes
     that offer it (e.g. ``sae_gpu`` on a second GPU box, see ray_cluster.yaml); None places them

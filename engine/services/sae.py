@@ -66,7 +66,7 @@ SAE_REGISTRY: dict[str, SAESource] = {
     ),
     "smollm2-135m-instruct-l16": SAESource(
         description="raylens' TopK SAE for the embedded SmolLM2-135M-Instruct, layer 16, trained on prose, chat "
-                    "and code (pipelines/train_sae.py)",
+                    "and code (pipelines/sae_training/train.py)",
         path=ASSETS / "saes" / "smollm2-135m-instruct-l16",
     ),
 }

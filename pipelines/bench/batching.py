@@ -89,7 +89,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     from engine.engine import freeze_startup_objects
 
     backend = engine.backend
-    model, tokenizer = backend.model, engine.tokenizer
+    model, tokenizer = backend.reference_model, engine.tokenizer
     device = backend.device
     from .measure import _mask_mod
 

@@ -33,7 +33,7 @@ def run_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3,
     import torch
 
     backend = engine.backend
-    model = backend.model
+    model = backend.reference_model
     ids = engine.encode(PROMPT)
     original = (backend.config.extract_hidden_states, backend.config.extract_attention)
     # bare generate runs the same attention implementation: SDPA behind a wrapper that captures

@@ -34,7 +34,7 @@ def run_internals_bench(engine: Any, *, texts: int = 32, repeats: int = 3,
 
     from engine.model.named_capture import capture
 
-    model = engine.backend.model
+    model = engine.backend.reference_model
     corpus = _internals_texts(texts)
     engine.embed(corpus[:4])  # warm-up
     rates: dict[str, list[float]] = {"batched (16 per forward)": [], "one text per call": []}

@@ -42,6 +42,9 @@ class Head:
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
+    """A ``ray start --head --block`` process of this module's own, in its own process group:
+    stopping it stops exactly the head this module started (``ray stop`` would stop every Ray on
+    the machine, other test runs' included)."""
     import ray
 
     temp_dir = Path("/tmp") / f"rl-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths have a length limit
@@ -49,19 +52,58 @@ def ray_head(tmp_path_factory):
     # as with an activated venv: jobs run `python …` from the head's PATH
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cmd = [_ray_cli(), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "8",
-           "--num-gpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--include-dashboard",
-           "true", "--temp-dir", str(temp_dir), "--disable-usage-stats"]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=180)
+    cmd = [_ray_cli(), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+           "--num-cpus", "8", "--num-gpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+           "--include-dashboard", "true", "--temp-dir", str(temp_dir), "--disable-usage-stats"]
+    log = tmp_path_factory.mktemp("ray-head") / "ray-start.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     head = Head(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", temp_dir)
     try:
+        _wait_for_head(proc, head, log)
         ray.init(address=head.address, log_to_driver=False)
         gcs = ray.get_runtime_context().gcs_address
         assert gcs.startswith("127.0.0.1:"), f"Ray must stay on loopback in tests, but its GCS is at {gcs}"
         yield head
     finally:
         ray.shutdown()
-        subprocess.run([_ray_cli(), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_head(proc)
+
+
+def _wait_for_head(proc: subprocess.Popen, head: Head, log: Path, timeout: float = 180.0) -> None:
+    """Until the head's dashboard (the Jobs API) answers; the head exiting first is a failure."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"`ray start --head` exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{head.dashboard_url}/api/version", timeout=2):
+                return
+        except urllib.error.HTTPError:  # it answers (401 without the tests' Ray auth token): it is up
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"the Ray head did not answer within {timeout} s: {log.read_text()[-2000:]}")
+
+
+def _stop_head(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``ray start --block`` alone (it drains and stops the processes it started), then
+    SIGKILL to whatever is left of its process group — this head's processes, no one else's."""
+    import signal
+
+    proc.terminate()
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
 
 
 def ray_config(tmp_path: Path, *, ingest_url: str | None = None, **ray_overrides):

@@ -10,7 +10,7 @@ from engine.model.hf import HuggingFaceBackend
 from tests.helpers import REPO
 
 # Read the code of these trees for attribute access on a backend; engine/model is the backends' own.
-SCANNED = ("engine", "actors", "mods", "tests")
+SCANNED = ("engine", "actors", "mods", "pipelines", "tests")
 
 
 def _members(cls) -> set[str]:
