@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["run_concurrency_bench", "format_concurrency", "build_random_model"]
+__all__ = ["run_concurrency_bench", "format_concurrency", "build_random_model", "RANDOM_MODELS"]
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -49,27 +49,36 @@ def _prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
+RANDOM_MODELS = {  # name → where it is built: its config file in configs/models/ says why each exists
+    "llama31-8b": ("cuda", "bfloat16"),  # the production shapes, on a GPU
+    "near-free": ("cpu", "float32"),  # 2 layers of width 64: what remains of a step is host work
+}
+
+
 def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = None, tokenizer: str | None = None,
                        progress: Callable[[str], None] = lambda _: None) -> Path:
-    """A directory ``from_pretrained`` loads: the named architecture with random bf16 weights on
-    CUDA and a tokenizer (default: the embedded model's; ids past its vocabulary decode to "").
-    Built once."""
+    """A directory ``from_pretrained`` loads: the named architecture (``configs/models/<name>.json``)
+    with random weights on its device and dtype (:data:`RANDOM_MODELS`) and a tokenizer (default:
+    the embedded model's; ids past its vocabulary decode to ""). Built once; seeded, so the same
+    weights every time."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from engine.model.loading import resolve_model_path
 
+    device, dtype = RANDOM_MODELS[name]
     spec = json.loads((REPO / "configs" / "models" / f"{name}.json").read_text())
     target = Path(out or f"/tmp/raylens-{name}-random")
     if (target / "config.json").is_file():
         return target
-    progress(f"building {name} with random bf16 weights in {target} (once)…")
+    progress(f"building {name} with random {dtype} weights in {target} (once)…")
     started = time.perf_counter()
     config = LlamaConfig(**{k: v for k, v in spec.items() if not k.startswith("_")})
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(getattr(torch, dtype))
     try:
-        with torch.device("cuda"):
+        torch.manual_seed(0)  # a script's one-off build, not a request: the global seed is fine here
+        with torch.device(device):
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
@@ -77,7 +86,8 @@ def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = Non
     source = tokenizer or resolve_model_path("embedded:smollm2-135m-instruct")
     AutoTokenizer.from_pretrained(source).save_pretrained(target)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     progress(f"built in {time.perf_counter() - started:.0f} s")
     return target
 
@@ -85,8 +95,6 @@ def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = Non
 def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: int = 64, repeats: int = 3,
                           progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     import torch
-
-    from engine.engine import freeze_startup_objects
 
     backend = engine.backend
     model, tokenizer = backend.reference_model, engine.tokenizer
@@ -113,6 +121,11 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
 
     loop = engine.loop
     gaps: dict[Callable[[], int], list[float]] = {}  # per raylens run: mean host gap before a launch, ms
+    # per raylens run: the engine's own time per request-step, µs — the run's wall time less the
+    # time inside the backend's forward calls (on a GPU a forward returns once launched, so there
+    # it is the host time outside launches), over the tokens the run produced
+    engine_us: dict[Callable[[], int], list[float]] = {}
+    forward_s = [0.0]
 
     def ours(ids_list: list[list[int]], mods: list[Any] | None, *, overlap: bool | None = None) -> Callable[[], int]:
         def run() -> int:
@@ -120,12 +133,16 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             before = (stats.launch_gaps, stats.launch_gap_s)
             default = loop.defer_announcements
             loop.defer_announcements = default if overlap is None else overlap
+            started, forwarded = time.perf_counter(), forward_s[0]
             try:
-                handles = [engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                                         mods=mods) for ids in ids_list]
+                with loop.admission_held():  # every request starts in the same step, as HF's batch does
+                    handles = [engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0,
+                                             ignore_eos=True, mods=mods) for ids in ids_list]
                 produced = sum(len(h.result().sequence_ids) for h in handles)
             finally:
                 loop.defer_announcements = default
+            outside = (time.perf_counter() - started) - (forward_s[0] - forwarded)
+            engine_us.setdefault(run, []).append(1e6 * outside / max(produced, 1))
             count = stats.launch_gaps - before[0]
             gaps.setdefault(run, []).append(1000.0 * (stats.launch_gap_s - before[1]) / count if count else 0.0)
             return produced
@@ -138,7 +155,10 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
                 return fn()
             finally:
                 engine.set_capture(hidden_states=True, attention=True)  # the default capture
+        inner[run] = fn  # what it measured is recorded under the run it wraps
         return run
+
+    inner: dict[Callable[[], int], Callable[[], int]] = {}
 
     paths: dict[str, Callable[[], int]] = {}
     single = [engine.encode(PROMPTS[0])]
@@ -159,10 +179,51 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             ours(ids_list, None, overlap=not overlap)
         paths[f"raylens, {n} concurrent + logits mod each"] = ours(ids_list, [logits_mod])
     runs: dict[str, list[float]] = {name: [] for name in paths}
+    inner_forward = backend.forward
+
+    def timed_forward(rows: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner_forward(rows)
+        finally:
+            forward_s[0] += time.perf_counter() - t0
+
+    backend.forward = timed_forward  # this instance only, for this bench; removed below
+    try:
+        _measure(paths, runs, repeats, device, progress, after_warm_up=lambda: (gaps.clear(), engine_us.clear()))
+    finally:
+        del backend.forward
+    medians = {name: statistics.median(v) for name, v in runs.items()}
+    graph_stats = dict(getattr(backend, "graph_stats", {}))
+    rows = []
+    for name, value in medians.items():
+        measured = inner.get(paths[name], paths[name])
+        gap = gaps.get(measured)
+        n = 1 if "1 request" in name else int(name.split("of ")[-1].split()[0]) if "batch of" in name \
+            else int(name.split(", ")[1].split()[0])
+        reference = medians["hf generate, 1 request"] if n == 1 else medians[f"hf generate, padded batch of {n}"]
+        own = engine_us.get(measured)
+        rows.append({"path": name, "concurrency": n, "tokens_per_s": value, "vs_hf_padded": value / reference,
+                     "runs": runs[name], "launch_gap_ms": statistics.median(gap) if gap else None,
+                     "us_per_request_step": 1e6 / value if value else None,
+                     "engine_us_per_request_step": statistics.median(own) if own else None})
+    return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
+            "new_tokens": new_tokens, "repeats": repeats, "rows": rows, "graph_stats": graph_stats,
+            "machine": _machine()}
+
+
+def _measure(paths: dict[str, Callable[[], int]], runs: dict[str, list[float]], repeats: int, device: Any,
+             progress: Callable[[str], None], *, after_warm_up: Callable[[], Any] = lambda: None) -> None:
+    """Warm every path up, then time ``repeats`` interleaved rounds of all of them (tokens/s)."""
+    import torch
+
+    from engine.engine import freeze_startup_objects
+
     for name, fn in paths.items():  # warm-up (and, for static caches, compilation) outside the timing
         started = time.perf_counter()
         fn()
         progress(f"warm-up {name}: {time.perf_counter() - started:.1f} s")
+    after_warm_up()  # what the paths recorded while warming up is not a measurement
     # transformers' compilation leaves hundreds of thousands of long-lived objects: frozen like the
     # engine's own, so no timed run pays a full garbage collection for the warm-up's leftovers
     freeze_startup_objects()
@@ -175,19 +236,6 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             elapsed = time.perf_counter() - started
             runs[name].append(produced / elapsed)
             progress(f"repeat {r + 1}/{repeats}  {name:<48} {produced / elapsed:9.1f} tok/s")
-    medians = {name: statistics.median(v) for name, v in runs.items()}
-    graph_stats = dict(getattr(backend, "graph_stats", {}))
-    rows = []
-    for name, value in medians.items():
-        gap = gaps.get(paths[name])
-        n = 1 if "1 request" in name else int(name.split("of ")[-1].split()[0]) if "batch of" in name \
-            else int(name.split(", ")[1].split()[0])
-        reference = medians["hf generate, 1 request"] if n == 1 else medians[f"hf generate, padded batch of {n}"]
-        rows.append({"path": name, "concurrency": n, "tokens_per_s": value, "vs_hf_padded": value / reference,
-                     "runs": runs[name], "launch_gap_ms": statistics.median(gap) if gap else None})
-    return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
-            "new_tokens": new_tokens, "repeats": repeats, "rows": rows, "graph_stats": graph_stats,
-            "machine": _machine()}
 
 
 def _machine() -> dict[str, Any]:
@@ -207,9 +255,11 @@ def format_concurrency(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']} on {report['device']} ({report['dtype']}), {report['new_tokens']} new tokens "
              f"per request, greedy, median of {report['repeats']}; {report.get('machine')}; "
              f"decode {report.get('graph_stats')}", "",
-             "| path | tokens/s | vs hf generate (same N) | host gap before a launch (ms) |", "|---|---:|---:|---:|"]
+             "| path | tokens/s | vs hf generate (same N) | µs per request-step | engine's own µs per "
+             "request-step | host gap before a launch (ms) |", "|---|---:|---:|---:|---:|---:|"]
     for row in report["rows"]:
-        gap = row.get("launch_gap_ms")
+        gap, wall, own = row.get("launch_gap_ms"), row.get("us_per_request_step"), row.get("engine_us_per_request_step")
         lines.append(f"| {row['path']} | {row['tokens_per_s']:.1f} | {row['vs_hf_padded']:.2f}x | "
+                     f"{'' if wall is None else f'{wall:.0f}'} | {'' if own is None else f'{own:.0f}'} | "
                      f"{'' if gap is None else f'{gap:.2f}'} |")
     return "\n".join(lines)

@@ -35,6 +35,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                         "(with --concurrency N: 1 and N requests; default 8)")
     p.add_argument("--random-model", choices=["llama31-8b"],
                    help="on a CUDA machine: benchmark this architecture with random bf16 weights (built once)")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="instead: the engine's own work per request-step, on a near-free model (2 layers of width "
+                        "64, the embedded vocabulary, random weights, built on the CPU): transformers' padded "
+                        "batch and raylens at 1, 8, 32 and 64 concurrent requests (or each --concurrency N)")
+    p.add_argument("--long-prompt", type=int, nargs="?", const=6000, metavar="TOKENS",
+                   help="instead: 8 streams, then one prompt of TOKENS (default 6000): the streams' inter-token "
+                        "gaps while it prefills, whole vs in chunks (backend.max_step_tokens)")
     p.add_argument("--tokenizer", help="with --random-model: a tokenizer directory (default: the embedded model's)")
     p.set_defaults(func=run_cli)
 
@@ -54,7 +61,18 @@ def run_cli(args: argparse.Namespace) -> int:
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     if getattr(args, "decode_modes", False):  # its own engines, one per mode
         return _decode_modes_cli(args, progress)
+    if getattr(args, "long_prompt", None):  # its own engines, one per prefill mode
+        return _long_prompt_cli(args, progress)
     overrides: dict[str, dict[str, Any]] = {}
+    if getattr(args, "host_overhead", False):
+        path = build_random_model("near-free", progress=progress)
+        if not args.concurrency:
+            args.concurrency = [1, 8, 32, 64]
+        # the default capture (hidden states and attention at a layer) and payloads stay on
+        overrides["backend"] = {"model_id": str(path), "device": "cpu", "dtype": "float32", "max_sequence": 1024,
+                                "hidden_state_layer": 1}
+        overrides["activations"] = {"enabled": False}
+        overrides["sae"] = {"enabled": False}
     if getattr(args, "random_model", None):
         path = build_random_model(args.random_model, tokenizer=getattr(args, "tokenizer", None), progress=progress)
         # a static cache is allocated whole: size it to the bench's requests, not the model's 128k context
@@ -121,6 +139,16 @@ def _write_report(out: str | None, report: dict[str, Any]) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2), encoding="utf-8")
         print(f"wrote {out}", file=sys.stderr)
+
+
+def _long_prompt_cli(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    from pipelines.bench.long_prompt import format_long_prompt, run_long_prompt_bench
+
+    report = {"long_prompt": run_long_prompt_bench(args.config, prompt_tokens=args.long_prompt,
+                                                   progress=progress)}
+    print(format_long_prompt(report["long_prompt"]))
+    _write_report(args.out, report)
+    return 0
 
 
 def _decode_modes_cli(args: argparse.Namespace, progress: Callable[[str], None]) -> int:

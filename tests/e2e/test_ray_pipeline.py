@@ -218,7 +218,7 @@ def test_a_job_with_a_bad_line_fails_through_the_jobs_api_with_the_line_named(ra
     status = wait_until(lambda: (s := client.get_job_status(job)) in (JobStatus.SUCCEEDED, JobStatus.FAILED) and s,
                         timeout=180, what="the job to end")
     assert status == JobStatus.FAILED
-    assert f"{bad}:2: give exactly one of prompt, messages, input_ids" in client.get_job_logs(job)
+    assert f"{bad}:2: unknown field(s) promt; known: prompt, messages, input_ids" in client.get_job_logs(job)
 
 
 def test_payloads_are_spooled_while_ingest_is_down_then_delivered(ray_head, tmp_path):

@@ -38,3 +38,46 @@ def test_concurrency_bench_has_the_overlap_row_and_the_host_gap_of_each_raylens_
     assert paths["hf generate, padded batch of 2"]["launch_gap_ms"] is None
     assert engine.loop.defer_announcements is False, "the bench left the loop's switch changed"
     assert "host gap before a launch" in format_concurrency(report)
+
+
+def test_concurrency_bench_reports_the_engines_own_time_per_request_step(engine):
+    from pipelines.bench.batching import format_concurrency, run_concurrency_bench
+
+    report = run_concurrency_bench(engine, concurrency=[2], new_tokens=3, repeats=1)
+    paths = {row["path"]: row for row in report["rows"]}
+    for name, row in paths.items():
+        if name.startswith("raylens"):
+            # the run's wall time less its forwards: positive, and less than the whole per-step time
+            assert 0 < row["engine_us_per_request_step"] < row["us_per_request_step"], (name, row)
+        else:
+            assert row["engine_us_per_request_step"] is None and row["us_per_request_step"] > 0
+    assert "engine's own µs per request-step" in format_concurrency(report)
+
+
+def test_host_overhead_bench_builds_the_near_free_model_on_the_cpu_and_runs_beside_hf(tmp_path, capsys):
+    import json
+
+    from pipelines.cli import main
+
+    out = tmp_path / "host.json"
+    assert main(["bench", "--host-overhead", "--concurrency", "2", "--new-tokens", "2", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())["concurrency"]
+    assert report["model"].endswith("raylens-near-free-random") and report["device"] == "cpu"
+    paths = {row["path"] for row in report["rows"]}
+    assert {"hf generate, padded batch of 2", "raylens, 2 concurrent (default capture)"} <= paths
+    assert "engine's own µs per request-step" in capsys.readouterr().out
+
+
+def test_long_prompt_bench_reports_the_streams_gaps_whole_and_chunked(capsys):
+    from pipelines.bench.long_prompt import format_long_prompt, run_long_prompt_bench
+    from tests.helpers import REPO
+
+    report = run_long_prompt_bench(REPO / "configs" / "local.yaml", prompt_tokens=96, streams=2, budgets=(None, 32))
+    whole, chunked = report["rows"]
+    assert not whole["chunked"] and chunked["chunked"] and chunked["max_step_tokens"] == 32
+    for row in report["rows"]:
+        assert row["ttft_s"] > 0 and row["gap_before_ms"]["median"] > 0
+    # chunked, the long prompt's prefill spans several steps, and the streams got tokens meanwhile
+    assert chunked["gap_during_ms"]["tokens"] > 0
+    assert "whole prompt in one step" in format_long_prompt(report)
