@@ -11,7 +11,6 @@ of threads (and the Ray GeneratorActor's concurrent calls) all join the one loop
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
 import threading
 import time
@@ -21,8 +20,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from engine.config import RaylensConfig, load_config
 from engine.core.input_processor import InputProcessor
 from engine.core.inputs import GenerationRequest, as_request
+from engine.core.output import OutputProcessor
 from engine.core.request import HiddenSink, RequestState
-from engine.core.result import FinishReason, GenerationResult
+from engine.core.result import GenerationResult
 from engine.core.machine import RequestMachine
 from engine.core.step_loop import Entry, StepLoop
 from engine.core.stream import RequestHandle, StreamEvent
@@ -101,6 +101,9 @@ class Engine:
             tokenizer=self.backend.tokenizer(), vocab_size=info.vocab_size, max_context=info.max_context,
             max_sequence=self.backend.max_sequence, eos_token_ids=info.eos_token_ids,
             defaults=config.generation, load_mods=lambda specs, dirs: load_mods(specs, allowed_dirs=dirs))
+        self.output = OutputProcessor(tokenizer=self.backend.tokenizer(), info=info,
+                                      backend_type=config.backend.backend_type, layer=config.backend.hidden_state_layer,
+                                      ingest=self._ingest, store=self.store, sae_metadata=self._sae_metadata)
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
         freeze_startup_objects()
 
@@ -320,68 +323,21 @@ class Engine:
             state.manager.forced_queues.pop(state.request_id, None)
             state.manager.forced_reason_queues.pop(state.request_id, None)
             elapsed_ms = (time.perf_counter() - state.started_at) * 1000.0
-            return self._result(state, state.payload, elapsed_ms, steers=entry.machine.steer_log)  # type: ignore[arg-type]
+            return self.output.result(state, elapsed_ms, steers=entry.machine.steer_log)
         finally:
             self._release(state.request_id)
 
-    def _result(self, state: RequestState, builder: PayloadBuilder, elapsed_ms: float,
-                steers: list[dict[str, Any]] | None = None) -> GenerationResult:
-        tokens = state.forced_output if state.forced_output is not None else state.generated
-        stop = state.request.stop_ids
-        output_ids = [t for t in tokens if t not in stop]
-        if state.finish is FinishReason.TOOL_CALLS:
-            output_ids = []
-        output_text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        payload = builder.build(final_ids=output_ids, final_text=output_text, finish_reason=str(state.finish),
-                                 prompt_tokens=len(state.prompt_ids),
-                                 extra={"tool_calls": state.tool_calls, "error": state.error})
-        info = self.backend.info
-        decode_ms = max(elapsed_ms - state.prefill_ms, 1e-9)
-        metadata: dict[str, Any] = {
-            "request_id": state.request_id,
-            "backend": self.config.backend.backend_type,
-            "model_id": info.model_id,
-            "device": info.device,
-            "dtype": info.dtype,
-            "layer": self.config.backend.hidden_state_layer,
-            "prompt_tokens": len(state.prompt_ids),
-            "generated_tokens": len(state.generated),
-            "max_tokens": state.max_tokens,
-            "steps": state.step,
-            "prefill_ms": round(state.prefill_ms, 3),
-            "total_ms": round(elapsed_ms, 3),
-            "tokens_per_s": round(len(state.generated) / (decode_ms / 1000.0), 3),
-        }
-        if steers:
-            metadata["steers"] = list(steers)  # also in the requests table; never an ingest action
-        if self._ingest is not None:
-            delivery = self._ingest.send(payload)
-            metadata["ingest"] = {"delivered": delivery.delivered, "spooled_to": delivery.spooled_to}
-        if self.recorder is not None and self.recorder.encoder is not None:
-            identity = self.recorder.encoder.identity
-            metadata["sae"] = {"mode": self.recorder.mode, "release": identity.release, "sae_id": identity.sae_id,
-                               "layer": identity.layer, "top_k": identity.top_k, **self.recorder.stats.as_dict()}
-        result = GenerationResult(
-            request_id=state.request_id, prompt_ids=list(state.prompt_ids), output_ids=output_ids,
-            output_text=output_text, finish_reason=state.finish, events=state.events,  # type: ignore[arg-type]
-            actions=state.actions, ignored_actions=state.ignored, payload=payload, metadata=metadata,
-            tool_calls=state.tool_calls, error=state.error, sequence_ids=list(state.generated),
-            token_logprobs=list(state.logprobs) if state.request.logprobs >= 0 else None,
-        )
-        if self.store is not None:
-            self.store.record_request(self.request_record(result, state.request.sampling))
-        return result
+    def _sae_metadata(self) -> dict[str, Any] | None:
+        """What a result reports of the SAE that encoded it in this process (None without one)."""
+        if self.recorder is None or self.recorder.encoder is None:
+            return None
+        identity = self.recorder.encoder.identity
+        return {"mode": self.recorder.mode, "release": identity.release, "sae_id": identity.sae_id,
+                "layer": identity.layer, "top_k": identity.top_k, **self.recorder.stats.as_dict()}
 
     def request_record(self, result: GenerationResult, sampling: SamplingParams | None = None) -> RequestRecord:
         """The requests-table row of a result: readable without the ingest backend."""
-        return RequestRecord(
-            request_id=result.request_id, model_id=self.backend.info.model_id,
-            prompt_text=self.tokenizer.decode(result.prompt_ids), output_text=result.output_text,
-            prompt_ids=list(result.prompt_ids), output_ids=list(result.sequence_ids),
-            finish_reason=str(result.finish_reason),
-            config={"sampling": dataclasses.asdict(sampling) if sampling else None,
-                    "max_tokens": result.metadata["max_tokens"], "layer": self.config.backend.hidden_state_layer,
-                    "sae": result.metadata.get("sae"), "steers": result.metadata.get("steers")})
+        return self.output.request_record(result, sampling)
 
     # ------------------------------------------------------------------- embeddings and capture
 

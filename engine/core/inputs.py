@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from engine.config import GenerationConfig, check_request_id
 from engine.errors import ConfigError, InvalidRequestError, TokenOutOfVocabularyError

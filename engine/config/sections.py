@@ -1,111 +1,23 @@
-"""Configuration: YAML sections loaded into frozen dataclasses, then environment overrides.
-
-Precedence, lowest first: dataclass defaults < YAML file < environment variables (the table
-:data:`ENV_VARS`, the only place the environment is read) < explicit keyword overrides.
-
-Unknown YAML keys are errors that list the known keys: a typo must not be silently ignored.
-``device="auto"``/``dtype="auto"`` are resolved when a backend loads (:mod:`engine.model.devices`),
-so commands that only read the store never import torch.
-"""
+"""The config's sections: frozen dataclasses that check their own values (``__post_init__``), and
+how a YAML mapping becomes one (unknown keys are errors that list the known ones)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
-import yaml
+from engine.errors import ConfigError
 
-from engine.errors import ConfigError, InvalidRequestError
+from .checks import (I32_MAX, MIN_TEMPERATURE, MOD_LOG_MAX_CHARS, MOD_LOG_MIN_CHARS, SEED_MAX, DeviceName, DType,
+                     _check_device, _DTYPES, _is_int, _is_real, _require)
 
-__all__ = [
-    "BackendConfig",
-    "GenerationConfig",
-    "IngestConfig",
-    "ActivationsConfig",
-    "SAEConfig",
-    "RayConfig",
-    "RaylensConfig",
-    "EnvVar",
-    "ENV_VARS",
-    "load_config",
-    "load_job_config",
-    "default_config_path",
-    "parse_bool",
-    "check_request_id",
-    "I32_MAX",
-    "SEED_MAX",
-    "REQUEST_ID_MAX_CHARS",
-]
-
-DeviceName = str  # "auto" | "cpu" | "mps" | "cuda" | "cuda:N"
-DType = Literal["auto", "float32", "float16", "bfloat16"]
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-def _require(obj: Any, prefix: str, checks: list[tuple[str, bool, str]]) -> None:
-    """Raise for the first ``(field, ok, constraint)`` that is not ok, naming field and value."""
-    for name, ok, constraint in checks:
-        if not ok:
-            value = getattr(obj, name)
-            raise ConfigError(f"`{prefix}{name}` must be {constraint}, got {value!r}", parameter=name, value=value)
-
-
-#: The ingest backend stores every integer as a 32-bit signed int and refuses larger ones.
-I32_MAX = 2**31 - 1
-#: ``torch.Generator.manual_seed`` takes at most 64 bits.
-SEED_MAX = 2**64 - 1
-# A temperature under this samples like greedy decoding anyway, and far smaller ones overflow
-# logits / temperature in float32 (NaN probabilities): such values are refused, asking for 0.
-MIN_TEMPERATURE = 1e-4
-#: The ingest backend's ``request_id`` column (VARCHAR(255)).
-REQUEST_ID_MAX_CHARS = 255
-#: Bounds of the mod-log limits: room for a truncation marker, and 8 M characters (up to 48 MiB
-#: once JSON-escaped) stays under the backend's 75 MiB body limit.
-MOD_LOG_MIN_CHARS = 256
-MOD_LOG_MAX_CHARS = 8 * 1024 * 1024
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def check_request_id(request_id: Any) -> str:
-    """``request_id`` if the ingest backend would store it, else :class:`InvalidRequestError`.
-
-    The backend keys requests by a string of at most 255 characters and answers a longer one with
-    HTTP 500, after the whole generation ran; checking it when the request arrives fails it at
-    once, with the fix. Returns the id unchanged.
-    """
-    if not isinstance(request_id, str) or not request_id:
-        raise InvalidRequestError(f"`request_id` must be a non-empty string, got {request_id!r}. "
-                                  "Omit it to get a generated one.", parameter="request_id", value=request_id)
-    if len(request_id) > REQUEST_ID_MAX_CHARS:
-        raise InvalidRequestError(
-            f"`request_id` must be at most {REQUEST_ID_MAX_CHARS} characters, got {len(request_id)} "
-            f"({request_id[:40]!r}…). Use a shorter id (the ingest backend stores at most {REQUEST_ID_MAX_CHARS}).",
-            parameter="request_id", value=request_id)
-    return request_id
-
-
-def _check_device(device: str) -> None:
-    base, _, index = device.partition(":")
-    if base not in ("auto", "cpu", "mps", "cuda") or (index and (base != "cuda" or not index.isdigit())):
-        raise ConfigError(
-            f"`device` must be one of auto, cpu, mps, cuda, cuda:N, got {device!r}",
-            parameter="device",
-            value=device,
-        )
+__all__ = ["BackendConfig", "GenerationConfig", "IngestConfig", "ActivationsConfig", "SAEConfig", "RayConfig",
+           "RaylensConfig", "SECTIONS", "build_section"]
 
 
 @dataclass(frozen=True)
@@ -397,7 +309,7 @@ class RaylensConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Mapping[str, Any]]) -> "RaylensConfig":
-        return cls(**{name: _build_section(name, _SECTIONS[name], values) for name, values in data.items()})
+        return cls(**{name: build_section(name, SECTIONS[name], values) for name, values in data.items()})
 
     def __post_init__(self) -> None:
         if self.sae.enabled and not self.activations.enabled:
@@ -405,69 +317,8 @@ class RaylensConfig:
                               "activation store (set CONCORDANCE_ACTIVATIONS_ENABLED=true)", parameter="sae.enabled")
 
 
-# ----------------------------------------------------------------------------------- environment
-
-
-def parse_bool(text: str) -> bool:
-    """The one bool parser for environment values."""
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected true/false/1/0, got {text!r}")
-
-
-def _optional_str(text: str) -> str | None:
-    return text or None
-
-
-@dataclass(frozen=True)
-class EnvVar:
-    name: str
-    target: str  # "section.field"
-    parse: Callable[[str], Any]
-    doc: str
-
-
-#: Every environment variable raylens reads. Later entries win over earlier ones for one field.
-ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("MODEL_ID", "backend.model_id", str, "legacy alias of CONCORDANCE_MODEL"),
-    EnvVar("CONCORDANCE_MODEL", "backend.model_id", str,
-           "model: a hub id, a local directory, or embedded:smollm2-135m-instruct"),
-    EnvVar("CONCORDANCE_DEVICE", "backend.device", str, "auto | cpu | mps | cuda | cuda:N"),
-    EnvVar("CONCORDANCE_HIDDEN_LAYER", "backend.hidden_state_layer", int,
-           "layer whose hidden states and attention events carry"),
-    EnvVar("RAYLENS_MODEL_CACHE", "backend.model_cache_dir", str,
-           "directory for converted embedded models"),
-    EnvVar("HF_TOKEN", "backend.hf_token", _optional_str, "HuggingFace token for gated hub models"),
-    EnvVar("QUOTE_LOG_INGEST_URL", "ingest.url", _optional_str,
-           "ingest endpoint (e.g. http://localhost:6767/v1/ingest); empty: do not send"),
-    EnvVar("QUOTE_LOG_INGEST_TIMEOUT", "ingest.timeout_s", float, "seconds per ingest POST"),
-    EnvVar("RAYLENS_INGEST_SPOOL", "ingest.spool_dir", str, "where unsent payloads wait"),
-    EnvVar("CONCORDANCE_ACTIVATIONS_ENABLED", "activations.enabled", parse_bool, "write activation rows"),
-    EnvVar("CONCORDANCE_ACTIVATIONS_DB_PATH", "activations.db_path", str, "the DuckDB file"),
-    EnvVar("CONCORDANCE_ACTIVATIONS_PARQUET_PATH", "activations.parquet_path", str, "Parquet export directory"),
-    EnvVar("CONCORDANCE_ACTIVATION_RETENTION_DAYS", "activations.retention_days", int, "days of rows kept"),
-    EnvVar("CONCORDANCE_SAE_ENABLED", "sae.enabled", parse_bool, "extract SAE features"),
-    EnvVar("CONCORDANCE_SAE_MODE", "sae.mode", str, "nearline | inline"),
-    EnvVar("CONCORDANCE_SAE_ID", "sae.sae_id", str, "SAE registry name or sae-lens directory"),
-    EnvVar("CONCORDANCE_SAE_LAYER", "sae.layer", int, "the SAE's layer"),
-    EnvVar("CONCORDANCE_SAE_TOP_K", "sae.top_k", int, "features stored per token"),
-    EnvVar("RAYLENS_RAY_ADDRESS", "ray.address", str, "Ray cluster address for jobs (default auto)"),
-    EnvVar("RAYLENS_DASHBOARD_URL", "ray.dashboard_url", str, "Ray dashboard / Jobs API URL"),
-)
-
-_SECTIONS: dict[str, type] = {"backend": BackendConfig, "generation": GenerationConfig, "ingest": IngestConfig,
+SECTIONS: dict[str, type] = {"backend": BackendConfig, "generation": GenerationConfig, "ingest": IngestConfig,
                               "activations": ActivationsConfig, "sae": SAEConfig, "ray": RayConfig}
-
-
-def default_config_path() -> Path:
-    """``RAYLENS_CONFIG`` if set, else ``configs/local.yaml`` of this checkout."""
-    env = os.environ.get("RAYLENS_CONFIG")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent / "configs" / "local.yaml"
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
@@ -506,7 +357,7 @@ def _coerce(section: str, cls: type, key: str, value: Any) -> Any:
                       value=value)
 
 
-def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+def build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(known))
     if unknown:
@@ -517,58 +368,3 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
             value=unknown,
         )
     return cls(**{k: _coerce(section, cls, k, v) for k, v in values.items()})
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file `{path}` does not exist; pass --config PATH or set RAYLENS_CONFIG",
-                          parameter="config", value=str(path))
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"config file `{path}` is not valid YAML: {err}", parameter="config") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file `{path}` must hold a mapping of sections", parameter="config")
-    unknown = sorted(set(data) - set(_SECTIONS))
-    if unknown:
-        raise ConfigError(f"unknown section(s) {', '.join(unknown)} in `{path}`; known: {', '.join(_SECTIONS)}",
-                          parameter="config", value=unknown)
-    return data
-
-
-def load_job_config(config: str | None, workdir: str | None) -> tuple[Path, "RaylensConfig"]:
-    """``(base, config)`` for a Ray Job: relative paths (the config file when it is not found as
-    given, the store, the spool) are taken under ``workdir`` (default: the current directory),
-    because a job runs in a throwaway copy of its working directory."""
-    base = Path(workdir or ".").resolve()
-    path = Path(config) if config else None
-    if path is not None and not path.is_absolute() and not path.exists():
-        path = base / path
-    return base, load_config(path).with_paths_under(base)
-
-
-def load_config(
-    path: str | Path | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Mapping[str, Any]] | None = None,
-) -> RaylensConfig:
-    """Load a config file (default: :func:`default_config_path`), then apply env and overrides."""
-    env = os.environ if env is None else env
-    config_path = Path(path) if path is not None else default_config_path()
-    raw = _read_yaml(config_path)
-    sections: dict[str, dict[str, Any]] = {name: dict(raw.get(name) or {}) for name in _SECTIONS}
-    for var in ENV_VARS:
-        if var.name in env:
-            section, key = var.target.split(".")
-            try:
-                sections[section][key] = var.parse(env[var.name])
-            except ValueError as err:
-                raise ConfigError(f"environment variable {var.name} ({var.doc}): {err}",
-                                  parameter=var.name, value=env[var.name]) from None
-    for section, values in (overrides or {}).items():
-        if section not in _SECTIONS:
-            raise ConfigError(f"unknown config section {section!r}; known: {', '.join(_SECTIONS)}")
-        sections[section].update(values)
-    built = {name: _build_section(name, cls, sections[name]) for name, cls in _SECTIONS.items()}
-    return RaylensConfig(**built, source=str(config_path))
