@@ -80,7 +80,7 @@ def measure(engine: Any, *, prompt_tokens: int, streams: int, warm_tokens: int =
 
 
 def run_long_prompt_bench(config_path: Any, *, prompt_tokens: int = 6000, streams: int = 8,
-                          budgets: tuple[int | None, ...] = (None, 512),
+                          budgets: tuple[int | None, ...] = (None, 512, 128),
                           progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Each budget in ``budgets`` (None: no chunking, the whole prompt in one step) on its own
     engine over the same config; the rows side by side."""
