@@ -1,4 +1,5 @@
-"""``raylens serve``: the HTTP server (OpenAI-compatible chat, attention streaming, viewer) on Ray Serve."""
+"""``raylens serve``: the HTTP server (OpenAI-compatible chat, attention streaming, viewer) on Ray Serve;
+``raylens browse``: the feature browser alone over an activation store, no model and no Ray."""
 
 from __future__ import annotations
 
@@ -10,6 +11,69 @@ __all__ = ["add_commands"]
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     _add_serve(sub)
+    _add_browse(sub)
+
+
+def _add_browse(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("browse", help="the feature browser over an activation store (read-only; no model, no Ray)")
+    p.add_argument("--store", help="the DuckDB store (default: the config's activations.db_path)")
+    p.add_argument("--config", help="YAML config (default: configs/local.yaml or $RAYLENS_CONFIG)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--api-key", help="require this key on every route but /healthz (default: $RAYLENS_API_KEY)")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="show token ids only (default: token text from the config's model's tokenizer files)")
+    p.set_defaults(func=_cmd_browse)
+
+
+def _cmd_browse(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    import uvicorn
+
+    from engine.config import load_config
+    from engine.services.store import ActivationStore
+    from pipelines.serve.app import build_browser_app
+    from pipelines.serve.settings import API_KEY_ENV, ServeSettings
+
+    from .arguments import UsageError
+
+    config = load_config(args.config)
+    path = Path(args.store or config.activations.db_path)
+    if not path.is_file():
+        raise UsageError(f"`--store` must name an existing activation store, got {str(path)!r}; run a job with "
+                         "activations.enabled first, or pass --store")
+    settings = ServeSettings(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV))
+    tokenizer = None if args.no_tokenizer else _tokenizer(config)
+    # read-only: DuckDB allows one writer per file, so this runs beside no job writing to it
+    store = ActivationStore(path, read_only=True, create=False)
+    try:
+        app = build_browser_app(store, settings, tokenizer=tokenizer, neuronpedia_url=config.sae.neuronpedia_url)
+        for note in settings.startup_warnings():
+            print(f"raylens: WARNING: {note}", file=sys.stderr)
+        print(f"raylens: feature browser for {path} at http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        store.close()
+    return 0
+
+
+def _tokenizer(config) -> object | None:
+    """The config's model's tokenizer files (no weights), for token text; None if unavailable."""
+    try:
+        from transformers import AutoTokenizer
+
+        from engine.model.loading import resolve_model_path
+
+        return AutoTokenizer.from_pretrained(resolve_model_path(config.backend.model_id,
+                                                                config.backend.model_cache_dir),
+                                             token=config.backend.hf_token)
+    except Exception as err:  # the browser still works with ids
+        import sys
+
+        print(f"raylens: no tokenizer ({type(err).__name__}: {err}); showing token ids", file=sys.stderr)
+        return None
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
