@@ -158,11 +158,12 @@ class RemoteEngine:
             raise unwrap(err) from None
 
     def submit(self, request: GenerationRequest | str | None = None, /, *, on_event: Any = None,
-               **fields: Any) -> RemoteHandle:
+               block: bool = True, timeout: float | None = None, **fields: Any) -> RemoteHandle:
         """Start one request on a generator (a :class:`GenerationRequest` or its fields, as
         ``Engine.submit`` takes them); raises the engine's typed errors for bad input. Waits at
-        most ``accept_timeout_s`` for the actor to take it (every request thread busy): then
-        :class:`QueueFullError`."""
+        most ``accept_timeout_s`` (or ``timeout``, if shorter) for the actor to take it (every
+        request thread busy): then :class:`QueueFullError`. ``block`` is accepted for
+        ``Engine.submit``'s signature: the actor's own queue decides, within that wait."""
         import ray
 
         if on_event is not None:
@@ -172,13 +173,14 @@ class RemoteEngine:
             raise TypeError("mods sent to the GeneratorActor must be payload dicts or paths, not loaded callables")
         actor = self._generator()
         stream = actor.stream.remote(request)
-        ready, _ = ray.wait([stream], timeout=self.accept_timeout_s)
+        wait = self.accept_timeout_s if timeout is None else min(timeout, self.accept_timeout_s)
+        ready, _ = ray.wait([stream], timeout=wait)
         if not ready:
             try:
                 ray.cancel(stream)  # still queued: it never starts
             except Exception:  # already started or gone: it ends at max_tokens, recorded like any other
                 pass
-            raise QueueFullError(f"the generator must take a request within {self.accept_timeout_s:g} s "
+            raise QueueFullError(f"the generator must take a request within {wait:g} s "
                                  "(ray.call_timeout_s), got every request thread busy: retry later, or raise "
                                  "ray.generator_max_concurrency (with backend.max_batch)",
                                  parameter="ray.generator_max_concurrency")

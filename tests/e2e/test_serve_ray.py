@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from engine.core.inputs import GenerationRequest
 from tests.e2e.conftest import free_port, kill_namespace_actors, wait_until
 from tests.helpers import build_config
 
@@ -197,7 +198,7 @@ def test_a_job_request_on_the_named_generator_shares_steps_with_an_http_stream(s
                                       "ignore_eos": True}))
             first = json.loads(await asyncio.wait_for(ws.recv(), 120))
             assert first["type"] == "token", first
-            job = generator.generate.remote({"input_ids": ids, "max_tokens": 4, "ignore_eos": True})
+            job = generator.generate.remote(GenerationRequest(input_ids=ids, max_tokens=4, ignore_eos=True))
             result = await asyncio.to_thread(ray.get, job, timeout=120)
             await ws.send(json.dumps({"type": "cancel"}))
             while (message := json.loads(await asyncio.wait_for(ws.recv(), 120)))["type"] not in ("done", "error"):
@@ -205,7 +206,7 @@ def test_a_job_request_on_the_named_generator_shares_steps_with_an_http_stream(s
             return result, message
 
     result, done = asyncio.run(stream_while_a_job_runs())
-    assert result["finish_reason"] == "length" and len(result["output_ids"]) == 4
+    assert str(result.finish_reason) == "length" and len(result.output_ids) == 4
     assert done["type"] == "done" and done["finish_reason"] == "cancelled", done
     stats = wait_until(lambda: (s := _stats(generator))["streaming"] == 0 and s, timeout=60, what="the stream to end")
     assert stats["batch"]["max_active"] >= 2
