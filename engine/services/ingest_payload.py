@@ -62,6 +62,7 @@ __all__ = ["PayloadBuilder", "iso_time", "MOD_LOG_ENTRY_OVERHEAD"]
 TOP_TOKENS = 20
 _INPUT_TEXT_CHARS = 70
 _TOKEN_TEXT_CHARS = 100
+_DECODABLE = 2**32  # tokenizers hold ids as unsigned 32-bit integers; others cannot be decoded
 #: Characters a mod-log entry costs besides its message (its record's other fields), so a mod
 #: writing many tiny entries is bounded by the same limits as one writing long ones.
 MOD_LOG_ENTRY_OVERHEAD = 128
@@ -97,11 +98,14 @@ class _PendingTexts:
     def resolve(self, tokenizer: Any) -> None:
         batches: list[list[int]] = []
         for _, _, ids, shape in self.items:
+            # a payload also records what a mod handed back and the engine refused, such as a
+            # negative forced id: only ids a tokenizer can hold are decoded; the rest read as ""
+            ids = [i for i in ids if 0 <= i < _DECODABLE]
             batches.extend([[i] for i in ids] if shape == "each" else [ids])
         texts = iter(_decode_all(tokenizer, batches))
         for target, key, ids, shape in self.items:
             if shape == "each":
-                target[key] = [next(texts) for _ in ids]
+                target[key] = [next(texts) if 0 <= i < _DECODABLE else "" for i in ids]
             else:
                 text = next(texts)
                 target[key] = text[-shape:] if isinstance(shape, int) else text

@@ -58,9 +58,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         result = engine.generate(request)
     from engine.services.strict_json import dumps  # no NaN/Infinity in what we print as JSON
 
+    failed = 1 if str(result.finish_reason) == "error" else 0  # the request failed: say so in the exit code
     if args.json:
         print(dumps({**result.to_dict(), "payload": result.payload}, indent=2))
-        return 0
+        return failed
     if result.tool_calls is not None:
         print(dumps({"tool_calls": result.tool_calls}, indent=2))
     else:
@@ -76,7 +77,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         summary += (f" SAE rows stored in {engine.config.activations.db_path} "
                     f"(raylens query top --request-id {result.request_id})")
     print(summary, file=sys.stderr)
-    return 0
+    return failed
 
 
 # --------------------------------------------------------------------------------- candidates
