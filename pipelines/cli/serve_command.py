@@ -21,6 +21,8 @@ def _add_browse(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--api-key", help="require this key on every route but /healthz (default: $RAYLENS_API_KEY)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-loopback --host without an API key, on purpose (refused otherwise)")
     p.add_argument("--no-tokenizer", action="store_true",
                    help="show token ids only (default: token text from the config's model's tokenizer files)")
     p.set_defaults(func=_cmd_browse)
@@ -39,12 +41,13 @@ def _cmd_browse(args: argparse.Namespace) -> int:
 
     from .arguments import UsageError
 
+    settings = ServeSettings(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
+                             insecure_no_auth=args.insecure_no_auth)
     config = load_config(args.config)
     path = Path(args.store or config.activations.db_path)
     if not path.is_file():
         raise UsageError(f"`--store` must name an existing activation store, got {str(path)!r}; run a job with "
                          "activations.enabled first, or pass --store")
-    settings = ServeSettings(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV))
     tokenizer = None if args.no_tokenizer else _tokenizer(config)
     # read-only: DuckDB allows one writer per file, so this runs beside no job writing to it
     store = ActivationStore(path, read_only=True, create=False)
@@ -84,6 +87,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="YAML config (default: configs/local.yaml or $RAYLENS_CONFIG)")
     p.add_argument("--address", help="Ray cluster to join (default: the config's ray.address, else a new local one)")
     p.add_argument("--api-key", help="require this key on every route but /healthz (default: $RAYLENS_API_KEY)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="serve a non-loopback --host without an API key, on purpose (refused otherwise)")
     p.add_argument("--allow-mod-registration", action="store_true",
                    help="enable POST /v1/mods (uploaded mods run arbitrary code; needs --api-key off loopback)")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="most tokens one request may ask for")
@@ -100,7 +105,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # the key is a secret for this command only: read here, never logged (ServeSettings hides it)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    settings = ServeSettings(host=args.host, port=args.port, api_key=api_key,
+    settings = ServeSettings(host=args.host, port=args.port, api_key=api_key, insecure_no_auth=args.insecure_no_auth,
                              allow_mod_registration=args.allow_mod_registration, max_new_tokens=args.max_new_tokens,
                              max_ws_connections=args.max_ws_connections, request_timeout_s=args.request_timeout_s)
     config = load_config(args.config)

@@ -1,8 +1,10 @@
 """What one server allows: bind address, authentication, mod registration and request limits.
 
-The defaults are safe on a laptop: loopback only, no code upload. Binding to another host is
-allowed but says loudly that there is no authentication unless an API key is set; uploading mods
-(arbitrary code by design) needs ``allow_mod_registration`` and, off loopback, an API key.
+The defaults are safe on a laptop: loopback only, no code upload. Binding to another host needs an
+API key (anyone who reaches the port could otherwise use the model): without one the server refuses
+to start, unless ``insecure_no_auth`` (``--insecure-no-auth``) says so explicitly, and then it says
+loudly at start-up that there is no authentication. Uploading mods (arbitrary code by design)
+needs ``allow_mod_registration`` and, off loopback, an API key — always.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class ServeSettings:
     port: int = 8000
     api_key: str | None = field(default=None, repr=False)
     allow_mod_registration: bool = False
+    insecure_no_auth: bool = False  # off loopback without a key: only when the operator says so
     max_new_tokens: int = 2048
     max_message_bytes: int = 4 * 2**20
     max_ws_connections: int = 32
@@ -58,6 +61,12 @@ class ServeSettings:
         for name, ok, constraint, value in checks:
             if not ok:
                 raise ConfigError(f"`{name}` must be {constraint}, got {value}.", parameter=name, value=value)
+        if not self.loopback and not self.api_key and not self.insecure_no_auth:
+            raise ConfigError(
+                f"`--host {self.host}` must come with an API key: off loopback anyone who can reach "
+                f"{self.host}:{self.port} could use the model, got no key. Set --api-key (or {API_KEY_ENV}), bind "
+                f"to 127.0.0.1, or pass --insecure-no-auth to serve without authentication on purpose.",
+                parameter="host", value=self.host)
         if self.allow_mod_registration and not self.loopback and not self.api_key:
             raise ConfigError(
                 f"`--allow-mod-registration` must not be used on the non-loopback host {self.host} without an API "
@@ -72,8 +81,9 @@ class ServeSettings:
         """What an operator must read before exposing the server."""
         notes = []
         if not self.loopback and not self.api_key:
-            notes.append(f"listening on {self.host}: this API has NO authentication; anyone who can reach "
-                         f"{self.host}:{self.port} can use the model. Set --api-key or {API_KEY_ENV} to require a key.")
+            notes.append(f"--insecure-no-auth: listening on {self.host} with NO authentication; anyone who can "
+                         f"reach {self.host}:{self.port} can use the model. Set --api-key or {API_KEY_ENV} to "
+                         f"require a key.")
         if self.allow_mod_registration:
             notes.append("POST /v1/mods is on: clients can upload Python mods, which run arbitrary code here.")
         return notes

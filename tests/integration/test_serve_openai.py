@@ -215,12 +215,16 @@ def test_api_key_guards_every_route_but_healthz(engine, model_id):
             assert right.chat.completions.create(model=model_id, messages=PROMPT, max_tokens=2).choices
 
 
-def test_settings_refuse_mod_registration_off_loopback_without_a_key():
+def test_settings_refuse_a_non_loopback_bind_or_mod_registration_without_a_key():
     from engine.errors import ConfigError
     from pipelines.serve.settings import ServeSettings
 
     with pytest.raises(ConfigError, match="api key|API key"):
         ServeSettings(host="0.0.0.0", allow_mod_registration=True)
-    open_host = ServeSettings(host="0.0.0.0")
+    with pytest.raises(ConfigError, match="must come with an API key") as err:  # a non-loopback bind needs a key
+        ServeSettings(host="0.0.0.0")
+    assert err.value.parameter == "host" and "--insecure-no-auth" in str(err.value)
+    open_host = ServeSettings(host="0.0.0.0", insecure_no_auth=True)  # only when asked, and loudly
     assert any("NO authentication" in note for note in open_host.startup_warnings())
     assert not ServeSettings(host="0.0.0.0", api_key=KEY).startup_warnings()
+    assert not ServeSettings(host="127.0.0.1").startup_warnings()
