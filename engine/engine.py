@@ -11,17 +11,19 @@ of threads (and the Ray GeneratorActor's concurrent calls) all join the one loop
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from engine.config import RaylensConfig, load_config
+from engine.config import REQUEST_ID_MAX_CHARS, RaylensConfig, load_config
 from engine.core.input_processor import InputProcessor
 from engine.core.inputs import GenerationRequest, as_request
 from engine.core.output import OutputProcessor
-from engine.core.request import HiddenSink, RequestState
+from engine.core.request import EngineRequest, HiddenSink, RequestState
 from engine.core.result import GenerationResult
 from engine.core.machine import RequestMachine
 from engine.core.step_loop import Entry, StepLoop
@@ -105,6 +107,7 @@ class Engine:
                                       backend_type=config.backend.backend_type, layer=config.backend.hidden_state_layer,
                                       ingest=self._ingest, store=self.store, sae_metadata=self._sae_metadata)
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
+        self._session = uuid.uuid4().hex[:8]  # suffixes a reused request id (see _claimed)
         freeze_startup_objects()
 
     def use_sae(self, handoff: SAEHandoff) -> None:
@@ -236,7 +239,7 @@ class Engine:
         is dispatched. With every slot and the wait queue full, ``block`` waits (up to
         ``timeout``) for room; ``block=False`` raises :class:`~engine.errors.QueueFullError`.
         """
-        processed = self.processor.process(as_request(request, fields))
+        processed = self._claimed(self.processor.process(as_request(request, fields)))
         info = self.backend.info
         request_id = processed.request_id
         names = set(self._event_names)
@@ -282,6 +285,15 @@ class Engine:
             self._release(request_id)
             raise
         return handle
+
+    def _claimed(self, processed: EngineRequest) -> EngineRequest:
+        """With a store, a caller's id that any earlier request used runs under a fresh one
+        (``<id>~<session>``), as a Ray job's lines do: the store's rows of that id describe the
+        earlier request's tokens, and SAE batch ids derive from it. The result says both ids."""
+        if self.store is None or processed.source is None or processed.source.request_id is None:
+            return processed  # a generated id is fresh
+        [claimed] = self.store.claim_request_ids([processed.request_id], self._session, max_chars=REQUEST_ID_MAX_CHARS)
+        return processed if claimed == processed.request_id else dataclasses.replace(processed, request_id=claimed)
 
     def stream(self, request: GenerationRequest | str | None = None, /, **kwargs: Any) -> Iterator[StreamEvent]:
         """``iter(submit(...))``: token events as they are committed (see :meth:`submit`)."""
