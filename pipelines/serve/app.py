@@ -147,7 +147,7 @@ def _version() -> str:
 
 def _error_response(path: str, err: ApiError) -> JSONResponse:
     body = err.openai_body() if path.startswith("/v1/") else err.attention_body()
-    return JSONResponse(body, status_code=err.status)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 class Guards:

@@ -25,6 +25,7 @@ class ErrorCode(str, Enum):
     MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
     TOO_MANY_CONNECTIONS = "TOO_MANY_CONNECTIONS"
     QUEUE_FULL = "QUEUE_FULL"
+    UNAVAILABLE = "UNAVAILABLE"
     TIMEOUT = "TIMEOUT"
     UNAUTHORIZED = "UNAUTHORIZED"
     FORBIDDEN = "FORBIDDEN"
@@ -47,6 +48,7 @@ class ErrorCode(str, Enum):
 _STATUS = {
     ErrorCode.INVALID_REQUEST: 400, ErrorCode.INVALID_TOKEN: 400, ErrorCode.CONTEXT_TOO_LONG: 400,
     ErrorCode.MESSAGE_TOO_LARGE: 413, ErrorCode.TOO_MANY_CONNECTIONS: 429, ErrorCode.QUEUE_FULL: 503,
+    ErrorCode.UNAVAILABLE: 503,
     ErrorCode.TIMEOUT: 504, ErrorCode.UNAUTHORIZED: 401, ErrorCode.FORBIDDEN: 403, ErrorCode.NOT_FOUND: 404,
     ErrorCode.MOD_ERROR: 400, ErrorCode.FEATURES_UNAVAILABLE: 501,
     ErrorCode.NO_STORE: 404, ErrorCode.OOM: 503, ErrorCode.NO_MODEL: 503,
@@ -69,6 +71,11 @@ class ApiError(Exception):
     @property
     def status(self) -> int:
         return self.code.status
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` on a 503: the client may try again (a full queue, a lost generator)."""
+        return {"Retry-After": str(self.extra.get("retry_after_s", RETRY_AFTER_S))} if self.status == 503 else {}
 
     def attention_body(self, request_id: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"type": "error"}
@@ -101,6 +108,10 @@ def api_error_from(err: BaseException) -> ApiError:
         return ApiError(ErrorCode.INVALID_TOKEN, str(err), parameter)
     if isinstance(err, engine_errors.ContextOverflowError):
         return ApiError(ErrorCode.CONTEXT_TOO_LONG, str(err), parameter)
+    if _is_lost_actor(err):
+        return ApiError(ErrorCode.UNAVAILABLE, "the generator actor serving this request was lost (it died or its "
+                                               "node left); the server resolves it again: retry in a few seconds.",
+                        None, {"retry_after_s": RETRY_AFTER_S})
     queue_full = getattr(engine_errors, "QueueFullError", None)
     if queue_full is not None and isinstance(err, queue_full):
         return ApiError(ErrorCode.QUEUE_FULL, f"{err} Retry after a moment.", parameter)
@@ -112,6 +123,19 @@ def api_error_from(err: BaseException) -> ApiError:
         return ApiError(ErrorCode.OOM, str(err).splitlines()[0] if str(err) else "out of memory", None,
                         _memory_fields())
     return ApiError(ErrorCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
+
+
+#: what a 503 tells the client to wait (``Retry-After``): a restarted generator reloads its model
+RETRY_AFTER_S = 5
+
+
+def _is_lost_actor(err: BaseException) -> bool:
+    """A Ray actor died or became unreachable: retryable once it is resolved again."""
+    try:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+    except ImportError:  # an in-process server without Ray installed has no actors to lose
+        return False
+    return isinstance(err, (RayActorError, ActorUnavailableError))
 
 
 def _is_out_of_memory(err: BaseException) -> bool:

@@ -163,14 +163,37 @@ class RemoteEngine:
         ``Engine.submit`` takes them); raises the engine's typed errors for bad input. Waits at
         most ``accept_timeout_s`` (or ``timeout``, if shorter) for the actor to take it (every
         request thread busy): then :class:`QueueFullError`. ``block`` is accepted for
-        ``Engine.submit``'s signature: the actor's own queue decides, within that wait."""
-        import ray
-
+        ``Engine.submit``'s signature: the actor's own queue decides, within that wait. A
+        generator that is gone is resolved again (:meth:`reconnect`) and the request tried once
+        more; one lost while a request runs fails that request with a retryable error."""
         if on_event is not None:
             raise TypeError("on_event callbacks cannot reach the GeneratorActor; read the handle's events instead")
         request = as_request(request, fields)
         if any(callable(m) for m in request.mods):
             raise TypeError("mods sent to the GeneratorActor must be payload dicts or paths, not loaded callables")
+        try:
+            return self._start(request, timeout)
+        except Exception as err:
+            from ray.exceptions import ActorUnavailableError, RayActorError
+
+            if not isinstance(unwrap(err), (RayActorError, ActorUnavailableError)):
+                raise
+        # the generator is gone (killed without a restart, its node lost): the config's actors are
+        # resolved again — a job may already have recreated them — and the request tried once more
+        self.reconnect()
+        return self._start(request, timeout)
+
+    def reconnect(self) -> None:
+        """Resolve the config's actors again (get or create, as a Ray Job does)."""
+        from pipelines.cluster.topology import build_topology
+
+        with self._lock:
+            self.generators = list(build_topology(self.config).generators)
+            self._next = itertools.cycle(range(len(self.generators)))
+
+    def _start(self, request: GenerationRequest, timeout: float | None) -> RemoteHandle:
+        import ray
+
         actor = self._generator()
         stream = actor.stream.remote(request)
         wait = self.accept_timeout_s if timeout is None else min(timeout, self.accept_timeout_s)

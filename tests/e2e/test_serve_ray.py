@@ -266,3 +266,45 @@ def test_a_generator_that_encodes_inline_streams_each_tokens_sae_features_and_st
         assert not [n for n in named if n.startswith("raylens-sae")], f"idle SAE workers were started: {named}"
     finally:
         kill_namespace_actors(config)
+
+
+def test_a_lost_generator_fails_its_running_request_with_503_and_the_next_request_succeeds(ray_head, tmp_path):
+    """The generator is killed for good mid-request (no restart): that request ends with a
+    retryable 503 (``Retry-After``, code ``UNAVAILABLE``), never a 500; the next request resolves
+    the config's actors again (creating a generator) and succeeds."""
+    import threading
+
+    import httpx
+    import ray
+
+    from pipelines.serve.app import build_app
+    from pipelines.serve.local import serve_in_thread
+    from pipelines.serve.remote_engine import RemoteEngine
+    from pipelines.serve.settings import ServeSettings
+    from tests.e2e.conftest import ray_config
+
+    base = ray_config(tmp_path)
+    config = dataclasses.replace(base, sae=dataclasses.replace(base.sae, enabled=False))
+    try:
+        engine = RemoteEngine.connect(config)
+        first_generator = engine.generators[0]
+        ids = engine.encode("Tell me a long story")
+        with serve_in_thread(build_app(engine, ServeSettings(max_new_tokens=512, request_timeout_s=300))) as url, \
+                httpx.Client(base_url=url, timeout=300) as http:
+            answer: dict = {}
+            running = threading.Thread(target=lambda: answer.update(reply=http.post(
+                "/api/v1/generate", json={"input_ids": ids, "max_new_tokens": 512, "ignore_eos": True})))
+            running.start()
+            wait_until(lambda: _stats(first_generator)["streaming"] >= 1, timeout=120, what="the request to run")
+            ray.kill(first_generator, no_restart=True)
+            running.join(300)
+            reply = answer["reply"]
+            assert reply.status_code == 503, reply.text
+            assert reply.json()["error_code"] == "UNAVAILABLE" and int(reply.headers["Retry-After"]) > 0
+            after = http.post("/api/v1/generate", json={"input_ids": ids, "max_new_tokens": 3, "ignore_eos": True})
+            assert after.status_code == 200, after.text
+            assert len(after.json()["generated_tokens"]) == 3
+            assert engine.generators[0] != first_generator, "the server kept the dead generator's handle"
+            assert http.get("/health").status_code == 200
+    finally:
+        kill_namespace_actors(config)
