@@ -88,6 +88,28 @@ def _settled(method: Any, *args: Any, timeout: float, attempts: int = 8) -> Any:
             time.sleep(min(10.0, 0.5 * 2**attempt))
 
 
+def _wait_for_restart(generator: Any, bound: float, progress: Any) -> bool:
+    """Until the restarted generator answers (``max_restarts`` brings it back, and it reloads its
+    model first: on a GPU that takes minutes), at most ``bound`` seconds; False when it did not."""
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + bound
+    told = False
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            ray.get(generator.stats.remote(), timeout=min(left, 30.0))
+            return True
+        except (ActorUnavailableError, GetTimeoutError):
+            if not told:
+                progress(f"waiting up to {bound:g} s for the restarted generator to load its model…")
+                told = True
+        except RayActorError:  # dead for good: no restart will come
+            return False
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    return False
+
+
 def _task_error(err: Exception) -> str:
     """The cause of a failed ``generate`` call, in one line (not Ray's wrapped traceback)."""
     cause = getattr(err, "cause", None) or err
@@ -173,7 +195,8 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
                         tally.ids.append(retry.item.request.request_id)
                         dispatch(retry)
                         continue
-                    result = {"request_id": rid, "finish_reason": "error", "error": f"generator died twice: {err}"}
+                    result = {"request_id": rid, "finish_reason": "error",
+                              "error": f"the generator was lost twice, or did not come back in time: {err}"}
                 except RayTaskError as err:  # this request failed (a bad value, a mod that cannot load): it alone
                     result = {"request_id": rid, "finish_reason": "error", "error": _task_error(err)}
                 write(flight, result)
@@ -241,7 +264,11 @@ def _after_generator_death(topo: Any, flight: _Flight, err: Exception, run_id: s
              + ("; running it again" if flight.attempt == 0 else "; giving up"))
     if flight.attempt > 0:
         return None
-    _settled(topo.generators[flight.replica].stats, timeout=timeout)  # wait for the restarted replica
+    bound = topo.config.ray.actor_start_timeout_s
+    if not _wait_for_restart(topo.generators[flight.replica], bound, progress):
+        progress(f"line {flight.item.line}: the generator did not come back within {bound:g} s "
+                 "(ray.actor_start_timeout_s); giving up on this line")
+        return None
     [retry_id] = _settled(topo.store.claim_request_ids, [f"{rid}-retry1"], run_id, REQUEST_ID_MAX_CHARS,
                           timeout=timeout)
     item = PromptLine(flight.item.line, flight.item.request.replace(request_id=retry_id))

@@ -165,6 +165,30 @@ def test_a_dead_generator_leaves_missing_blocks_on_record_and_the_request_reruns
     assert store_sql(topology, "SELECT count(*) FROM requests WHERE request_id = 'sea-retry1'") == [(1,)]
 
 
+def test_a_generator_killed_mid_job_loses_no_line(topology, tmp_path):
+    """Several lines in flight when the generator dies: the driver waits for the restarted one
+    (it reloads its model) and every line is in the results file, finished, none lost."""
+    import ray
+
+    before = sae_stats(topology)["blocks_submitted"]
+
+    def kill_generator() -> None:
+        wait_until(lambda: (attempt(lambda: sae_stats(topology)["blocks_submitted"]) or 0) >= before + 3,
+                   timeout=300, interval=0.05, what="the lines to be under way")
+        ray.kill(topology.generator, no_restart=False)
+
+    killer = threading.Thread(target=kill_generator, daemon=True)
+    killer.start()
+    rows = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "request_id": f"many-{i}"}
+            for i, p in enumerate(["Describe the sea.", "Describe a forest.", "Describe a city at dawn."])]
+    summary, results = run_lines(topology.config, tmp_path, rows, "many")
+    killer.join(timeout=300)
+    assert sorted(r["line"] for r in results) == [1, 2, 3], results
+    assert all(r["finish_reason"] == "length" for r in results), results
+    assert any(r["request_id"].endswith("-retry1") for r in results), "positive control: the kill hit a line"
+    assert summary["failed"] == 0 and summary["requests"] == 3
+
+
 def test_bad_job_input_names_the_line(tmp_path, capsys):
     from pipelines.jobs.generate import main
 
