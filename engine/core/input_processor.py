@@ -69,6 +69,10 @@ class InputProcessor:
         if gen.stop_tokens:
             check_request_token_ids(list(gen.stop_tokens), self.vocab_size, "stop_tokens")
         banned = tuple(check_request_token_ids(list(request.banned_tokens), self.vocab_size, "banned_tokens"))
+        if len(set(banned)) >= self.vocab_size:
+            raise InvalidRequestError(f"`banned_tokens` must leave at least one token to sample, got all "
+                                      f"{self.vocab_size} of the vocabulary", parameter="banned_tokens",
+                                      value=len(banned))
         ids = self.encode(request)
         if len(ids) >= self.limit:
             raise ContextOverflowError(f"the prompt must be shorter than {self.limit} tokens (the model's context "

@@ -59,6 +59,50 @@ def _messages(messages: Any) -> tuple[dict[str, Any], ...]:
     return tuple(dict(m) for m in messages)
 
 
+def _check_tools(tools: Sequence[Mapping[str, Any]]) -> None:
+    """OpenAI's tool shape: ``{"type": "function", "function": {"name": str, "parameters": {...}}}``
+    (mods and the chat template read these; a malformed one would fail deep inside them)."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, Mapping):
+            raise InvalidRequestError(f"`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}, "
+                                      f"got {dict(tool)!r}"[:300], parameter=f"tools[{i}]", value=dict(tool))
+        name = function.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise InvalidRequestError(f"`tools[{i}].function.name` must be a non-empty string of at most 64 "
+                                      f"characters, got {name!r}"[:300], parameter=f"tools[{i}].function.name",
+                                      value=name)
+        if "parameters" in function and not isinstance(function["parameters"], Mapping):
+            raise InvalidRequestError(f"`tools[{i}].function.parameters` must be a JSON-schema object, got "
+                                      f"{function['parameters']!r}"[:300], parameter=f"tools[{i}].function.parameters",
+                                      value=function["parameters"])
+
+
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_response_format(response_format: Any) -> None:
+    """OpenAI's ``response_format``: ``{"type": "text" | "json_object"}`` or ``{"type":
+    "json_schema", "json_schema": {"name": str, "schema": {...}}}``."""
+    if not isinstance(response_format, Mapping):
+        raise InvalidRequestError(f"`response_format` must be an object, got {response_format!r}"[:300],
+                                  parameter="response_format", value=response_format)
+    kind = response_format.get("type")
+    if kind not in _RESPONSE_FORMATS:
+        raise InvalidRequestError(f"`response_format.type` must be one of {', '.join(_RESPONSE_FORMATS)}, got "
+                                  f"{kind!r}", parameter="response_format.type", value=kind)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str) or not spec.get("name"):
+            raise InvalidRequestError("`response_format.json_schema` must be an object with a non-empty `name` "
+                                      f"(and a `schema`), got {spec!r}"[:300], parameter="response_format.json_schema",
+                                      value=spec)
+        if "schema" in spec and not isinstance(spec["schema"], Mapping):
+            raise InvalidRequestError(f"`response_format.json_schema.schema` must be a JSON-schema object, got "
+                                      f"{spec['schema']!r}"[:300], parameter="response_format.json_schema.schema",
+                                      value=spec["schema"])
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """What one caller asks for. Exactly one of ``prompt`` (a user turn, chat-templated),
@@ -112,9 +156,10 @@ class GenerationRequest:
                 raise InvalidRequestError(f"`tools` must be a list of objects, got {self.tools!r}"[:300],
                                           parameter="tools", value=self.tools)
             object.__setattr__(self, "tools", tuple(dict(t) for t in self.tools))
-        if self.response_format is not None and not isinstance(self.response_format, Mapping):
-            raise InvalidRequestError(f"`response_format` must be an object, got {self.response_format!r}"[:300],
-                                      parameter="response_format", value=self.response_format)
+        if self.tools is not None:
+            _check_tools(self.tools)
+        if self.response_format is not None:
+            _check_response_format(self.response_format)
         mods = self.mods if self.mods is not None else ()
         if isinstance(mods, (str, bytes, Mapping)) or callable(mods) or not isinstance(mods, Sequence):
             mods = (mods,)

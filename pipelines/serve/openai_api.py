@@ -183,11 +183,6 @@ class _Call:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"`stop` must be up to 4 non-empty strings, got {stops!r}.", "stop")
         self.stops = stops
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
-        if body.response_format is not None and body.response_format.get("type") not in (
-                "text", "json_object", "json_schema"):
-            raise ApiError(ErrorCode.INVALID_REQUEST, "`response_format.type` must be one of text, json_object, "
-                                                      f"json_schema, got {body.response_format.get('type')!r}.",
-                           "response_format")
         self.messages = [_text_content(m, i) for i, m in enumerate(body.messages)]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         try:

@@ -44,3 +44,14 @@ def test_a_prompt_that_cannot_fit_is_refused_by_the_one_context_rule(engine):
         engine.processor.process(GenerationRequest(input_ids=[1] * limit))
     assert err.value.parameter == "input_ids"
     assert len(engine.processor.process(GenerationRequest(input_ids=[1] * (limit - 1))).input_ids) == limit - 1
+
+
+def test_a_banned_list_covering_the_whole_vocabulary_is_refused(engine):
+    from engine.errors import InvalidRequestError
+
+    vocab = engine.backend.info.vocab_size
+    with pytest.raises(InvalidRequestError, match="must leave at least one token") as err:
+        engine.processor.process(GenerationRequest(prompt="hi", banned_tokens=list(range(vocab))))
+    assert err.value.parameter == "banned_tokens"
+    allowed = engine.processor.process(GenerationRequest(prompt="hi", banned_tokens=list(range(vocab - 1))))
+    assert len(allowed.sampling.banned) == vocab - 1  # one left: fine

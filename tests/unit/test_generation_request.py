@@ -106,3 +106,29 @@ def test_what_mods_and_the_payload_read_from_the_request():
     plain = GenerationRequest(prompt="hello")
     assert plain.user_prompt == "hello" and plain.conversation == [{"role": "user", "content": "hello"}]
     assert GenerationRequest(input_ids=[1]).conversation == [] and GenerationRequest(input_ids=[1]).user_prompt is None
+
+
+@pytest.mark.parametrize(("fields", "parameter"), [
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools[0].function.parameters"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": []}}},
+     "response_format.json_schema.schema"),
+])
+def test_malformed_tools_and_response_formats_are_refused_naming_the_field(fields, parameter):
+    with pytest.raises(InvalidRequestError) as err:
+        GenerationRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+    assert err.value.parameter == parameter, str(err.value)
+
+
+def test_well_formed_tools_and_response_formats_pass():
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}}}
+    req = GenerationRequest(messages=[{"role": "user", "content": "hi"}], tools=[tool], response_format=fmt)
+    assert req.tools == (tool,) and req.response_format == fmt
+    for kind in ("text", "json_object"):
+        assert GenerationRequest(prompt="x", response_format={"type": kind}).response_format == {"type": kind}
