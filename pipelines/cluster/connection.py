@@ -1,7 +1,7 @@
 """Joining the Ray cluster: probe an address first, then ``ray.init`` in raylens' namespace.
 
-``ray.init`` retries an unreachable address for minutes; a user wants one line at once, so an
-explicit address is probed (a GCS must answer an HTTP/2 greeting, a dashboard its
+``ray.init`` retries an unreachable address for minutes; a user wants one line at once, so every
+address — ``auto`` resolved first to the one it means — is probed (a GCS must answer an HTTP/2 greeting, a dashboard its
 ``/api/version``) within ``ray.connect_timeout_s`` and refused with the way out.
 """
 
@@ -14,7 +14,7 @@ import ray
 from engine.config import RaylensConfig
 from engine.errors import ClusterUnreachableError
 
-__all__ = ["connect", "probe_address"]
+__all__ = ["connect", "probe_address", "resolve_auto"]
 
 
 def connect(config: RaylensConfig, address: str | None = None) -> None:
@@ -25,7 +25,7 @@ def connect(config: RaylensConfig, address: str | None = None) -> None:
     """
     if ray.is_initialized():
         return
-    target = address or config.ray.address
+    target = resolve_auto(address or config.ray.address)
     probe_address(target, config.ray.connect_timeout_s, what="Ray cluster (GCS)", key="ray.address")
     try:
         ray.init(address=target, namespace=config.ray.namespace, log_to_driver=False, configure_logging=False)
@@ -34,6 +34,28 @@ def connect(config: RaylensConfig, address: str | None = None) -> None:
             f"`ray.address` must reach a running Ray cluster, got {target!r} ({_last_error_line(err)}). Start one "
             "with `ray start --head --node-ip-address 127.0.0.1`, or pass --address HOST:PORT",
             parameter="ray.address", value=target) from None
+
+
+def resolve_auto(address: str) -> str:
+    """``auto`` as the one address it means — ``RAY_ADDRESS`` (a Ray Job's own cluster), else the
+    cluster this machine recorded last — so it is probed like an explicit one: a stale record is
+    one line within ``ray.connect_timeout_s``, not minutes of ``ray.init`` retries. No cluster
+    found is the same one line."""
+    if address != "auto":
+        return address
+    from ray._private.services import get_ray_address_from_environment  # Ray's own lookup rule
+
+    try:
+        found = get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        found = None
+    if not found or found == "auto":
+        raise ClusterUnreachableError(
+            "`ray.address` is auto, and no running Ray cluster was found on this machine (no RAY_ADDRESS, no "
+            "recorded cluster). Start one with `ray start --head --node-ip-address 127.0.0.1`, pass "
+            "--address HOST:PORT, or --address local for a Ray of this command's own", parameter="ray.address",
+            value="auto")
+    return found
 
 
 def probe_address(address: str, timeout: float, *, what: str, key: str) -> None:

@@ -69,20 +69,26 @@ def build_deployment(config: RaylensConfig, settings: ServeSettings) -> Any:
 
 
 def ensure_ray(config: RaylensConfig, address: str | None = None) -> None:
-    """Join the configured cluster if one runs; otherwise start a local one on 127.0.0.1."""
+    """Join the cluster the config or ``address`` names (``auto``: ``RAY_ADDRESS`` or the one this
+    machine recorded, probed first, so a stale record is one line within seconds); with ``auto``
+    and no cluster found, start a local one on 127.0.0.1."""
     import ray
+
+    from engine.errors import ClusterUnreachableError
+    from pipelines.cluster.connection import connect, resolve_auto
 
     if ray.is_initialized():
         return
-    try:
-        ray.init(address=address or config.ray.address, namespace=config.ray.namespace, log_to_driver=False,
-                 configure_logging=False)
-    except ConnectionError:
-        if address:
-            raise
-        print("raylens: no running Ray cluster; starting a local one on 127.0.0.1", file=sys.stderr, flush=True)
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, namespace=config.ray.namespace,
-                 log_to_driver=False, configure_logging=False)
+    target = address or config.ray.address
+    if target == "auto":
+        try:
+            target = resolve_auto(target)
+        except ClusterUnreachableError:  # none recorded: a Ray of this server's own
+            print("raylens: no running Ray cluster; starting a local one on 127.0.0.1", file=sys.stderr, flush=True)
+            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, namespace=config.ray.namespace,
+                     log_to_driver=False, configure_logging=False)
+            return
+    connect(config, target)
 
 
 def deploy(config: RaylensConfig, settings: ServeSettings) -> str:

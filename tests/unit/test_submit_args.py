@@ -152,3 +152,24 @@ def test_a_listener_that_never_answers_fails_within_the_connect_timeout():
     finally:
         silent.close()
         answering.close()
+
+
+def test_auto_is_resolved_to_the_address_it_means_and_probed_like_an_explicit_one(monkeypatch):
+    """``ray.address: auto`` with a stale record (here RAY_ADDRESS naming a port nobody answers
+    on) is one line within the connect timeout, never minutes of ``ray.init`` retries."""
+    import dataclasses
+    import socket
+
+    from engine.errors import ClusterUnreachableError
+    from pipelines.cluster.connection import connect, resolve_auto
+    from tests.helpers import build_config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # closed once the block ends
+    monkeypatch.setenv("RAY_ADDRESS", dead)
+    assert resolve_auto("auto") == dead and resolve_auto("10.0.0.1:6379") == "10.0.0.1:6379"
+    cfg = build_config()
+    cfg = dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, address="auto", connect_timeout_s=1.0))
+    with pytest.raises(ClusterUnreachableError, match=rf"got '{dead}'"):
+        connect(cfg)
