@@ -23,6 +23,9 @@ __all__ = [
     "ActorStartError",
     "ClusterUnreachableError",
     "ActorConfigConflictError",
+    "ServerAlreadyRunningError",
+    "QueueFullError",
+    "EngineClosedError",
     "check_request_token_ids",
 ]
 
@@ -108,6 +111,11 @@ class ClusterUnreachableError(RaylensError):
 class ActorConfigConflictError(RaylensError):
     """Running raylens actors hold something this job's config needs with other settings (a
     StoreActor owns the DuckDB file). Use their settings or stop them first (``raylens stop``)."""
+
+
+class ServerAlreadyRunningError(RaylensError):
+    """A ``raylens serve`` already runs on this Ray cluster; a second would replace its app and
+    cut off its clients. Stop the first, or serve from another cluster."""
 
 
 class QueueFullError(RaylensError):

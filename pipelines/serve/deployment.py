@@ -95,9 +95,29 @@ def deploy(config: RaylensConfig, settings: ServeSettings) -> str:
     """Start Serve's proxy on the settings' host/port and run the app; the base URL."""
     from ray import serve
 
+    _refuse_a_running_app()
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(build_deployment(config, settings), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{settings.host}:{settings.port}"
+
+
+def _refuse_a_running_app() -> None:
+    """One ``raylens serve`` per cluster: a second would replace the first's app (Serve's
+    ``run`` swaps an app of the same name in place), cutting off its clients without a word."""
+    from ray import serve
+
+    from engine.errors import ServerAlreadyRunningError
+
+    try:
+        running = serve.status().applications
+    except Exception:  # no Serve on this cluster yet: nothing to replace
+        return
+    app = running.get(APP_NAME)
+    if app is not None and str(getattr(app, "status", "")).split(".")[-1] not in ("DELETING", "NOT_STARTED"):
+        raise ServerAlreadyRunningError(
+            f"a `raylens serve` must not already run on this cluster, got its app {APP_NAME!r} "
+            f"({str(app.status).split('.')[-1]}): stop that server first (Ctrl-C in its terminal), or serve from "
+            "another Ray cluster (--address)", parameter="serve", value=APP_NAME)
 
 
 def serve_forever(config: RaylensConfig, settings: ServeSettings, address: str | None = None) -> int:

@@ -112,6 +112,19 @@ def test_openai_and_attention_routes_answer_through_the_generator_actor(served):
     assert _stats(actors["raylens-ingest"])["submitted"] - ingested == 4
 
 
+def test_a_second_serve_on_the_cluster_is_refused_and_the_first_keeps_serving(served):
+    import httpx
+
+    from engine.errors import ServerAlreadyRunningError
+    from pipelines.serve.deployment import deploy
+    from pipelines.serve.settings import ServeSettings
+
+    url, config, _ = served
+    with pytest.raises(ServerAlreadyRunningError, match="must not already run on this cluster"):
+        deploy(config, ServeSettings(host="127.0.0.1", port=free_port()))
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # the first is untouched
+
+
 def test_input_the_engine_refuses_in_the_actor_comes_back_as_its_coded_error(served):
     import httpx
 
