@@ -12,7 +12,8 @@ Behaviour follows the original engine's OpenAI server, so existing clients and m
 * Streams send one ``delta.content`` chunk per token; a mod's Backtrack sends
   ``delta.removed = n`` (the newest ``n`` streamed tokens are gone), and a final output that
   differs from what was streamed (ForceOutput, ToolCalls) is sent as ``removed`` then content.
-  The finishing chunk carries ``usage``.
+  With ``stream_options: {"include_usage": true}`` one more chunk follows the finishing one,
+  with ``choices: []`` and the ``usage`` (none otherwise, as OpenAI's reference has it).
 
 Deliberate differences: an unknown model or mod name is a 404 rather than being ignored; tool
 calls also stream (as one ``delta.tool_calls`` chunk at the end); ``usage`` counts real prompt
@@ -22,6 +23,7 @@ refused with 400 instead of being dropped.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
@@ -170,6 +172,35 @@ def _text_content(message: ChatMessage, index: int) -> dict[str, Any]:
     return data
 
 
+@functools.lru_cache(maxsize=1)
+def _fingerprint() -> str:
+    """``system_fingerprint``: this server's build (OpenAI's reference wants a string, or nothing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"raylens-{version('raylens')}"
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "raylens-dev"
+
+
+def _include_usage(options: dict[str, Any] | None, stream: bool) -> bool:
+    """``stream_options``: only ``include_usage`` (a bool), and only with ``stream``."""
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "`stream_options` must be used with `stream: true`, got "
+                                                  "stream false.", "stream_options")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"`stream_options` must hold only include_usage, got "
+                                                  f"{', '.join(unknown)}.", f"stream_options.{unknown[0]}")
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"`stream_options.include_usage` must be true or false, got "
+                                                  f"{value!r}.", "stream_options.include_usage")
+    return value
+
+
 class _Call:
     """One chat completion: validation, engine arguments, and the answer in both shapes."""
 
@@ -183,6 +214,7 @@ class _Call:
             raise ApiError(ErrorCode.INVALID_REQUEST, f"`stop` must be up to 4 non-empty strings, got {stops!r}.", "stop")
         self.stops = stops
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
+        self.include_usage = _include_usage(body.stream_options, body.stream)
         self.messages = [_text_content(m, i) for i, m in enumerate(body.messages)]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         try:
@@ -284,7 +316,7 @@ class _Call:
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
-                "system_fingerprint": None, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                "system_fingerprint": _fingerprint(), "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                                          "logprobs": extra.pop("logprobs", None)}], **extra}
         return f"data: {json.dumps(body)}\n\n"
 
@@ -326,14 +358,15 @@ class _Call:
         finally:
             stream.cancel()
         finish, content, tool_calls = self.finish(result)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if tool_calls is not None:
             message["tool_calls"] = tool_calls
         completion = len(result.output_ids) if not self.stopped_by_string else len(self.ids)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.body.model,
-                "system_fingerprint": None,
+                "system_fingerprint": _fingerprint(),
                 "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "logprobs": {"content": self.logprobs} if self.body.logprobs else None}],
+                             "logprobs": {"content": self.logprobs, "refusal": None} if self.body.logprobs
+                             else None}],
                 "usage": self.usage(result, completion)}
 
     async def sse(self, stream: Stream) -> AsyncIterator[str]:
@@ -361,7 +394,12 @@ class _Call:
                     yield self.chunk({"removed": len(self.ids)})
                 yield self.chunk({"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]})
             completion = len(result.output_ids) if not self.stopped_by_string else len(self.ids)
-            yield self.chunk({}, finish, usage=self.usage(result, completion))
+            yield self.chunk({}, finish)
+            if self.include_usage:  # OpenAI's shape: one more chunk, no choices, the usage
+                body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                        "model": self.body.model, "system_fingerprint": _fingerprint(), "choices": [],
+                        "usage": self.usage(result, completion)}
+                yield f"data: {json.dumps(body)}\n\n"
         except ApiError as err:
             body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.body.model, "choices": [], **err.openai_body()}

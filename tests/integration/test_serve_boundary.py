@@ -75,3 +75,15 @@ def test_the_server_stays_healthy_and_answers_after_every_bad_input(http, engine
     good = http.post("/v1/chat/completions", content=_chat(engine.backend.info.model_id, temperature=0),
                      headers={"content-type": "application/json"})
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.parametrize(("options", "stream", "param"), [
+    ({"include_usage": True}, False, "stream_options"),
+    ({"include_usage": True, "continuous": True}, True, "stream_options.continuous"),
+    ({"include_usage": "yes"}, True, "stream_options.include_usage"),
+])
+def test_stream_options_are_honoured_or_refused_never_ignored(http, engine, options, stream, param):
+    reply = http.post("/v1/chat/completions", content=_chat(engine.backend.info.model_id, stream=stream,
+                                                            stream_options=options),
+                      headers={"content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text

@@ -100,12 +100,18 @@ def test_plain_completion_equals_the_in_process_engine(client, engine, model_id)
 def test_streamed_completion_concatenates_to_the_plain_one(client, model_id):
     plain = client.chat.completions.create(model=model_id, messages=PROMPT, max_tokens=8, temperature=0)
     chunks = list(client.chat.completions.create(model=model_id, messages=PROMPT, max_tokens=8, temperature=0,
-                                                 stream=True))
+                                                 stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == plain.choices[0].message.content
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) >= 2, "tokens must arrive one by one"
-    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+    # usage only when asked, on a last chunk of its own with no choices (OpenAI's shape)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    unasked = list(client.chat.completions.create(model=model_id, messages=PROMPT, max_tokens=8, temperature=0,
+                                                  stream=True))
+    assert all(c.usage is None for c in unasked) and unasked[-1].choices[0].finish_reason
+    assert plain.system_fingerprint.startswith("raylens-") and plain.choices[0].message.refusal is None
 
 
 def test_logprobs_are_reported_per_token(client, model_id):
