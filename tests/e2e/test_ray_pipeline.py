@@ -141,18 +141,25 @@ def test_a_restarted_store_actor_reopens_the_database_intact(topology):
     assert again == counts
 
 
-def test_a_dead_generator_leaves_missing_blocks_on_record_and_the_request_reruns(topology, tmp_path):
+def _kill_generator_once_under_way(topology, *, blocks: int) -> threading.Thread:
+    """A thread that kills the generator (Ray restarts it) once ``blocks`` more SAE blocks were
+    handed off, i.e. while requests are under way; join it after the job."""
     import ray
 
     before = sae_stats(topology)["blocks_submitted"]
 
     def kill_generator() -> None:
-        wait_until(lambda: (attempt(lambda: sae_stats(topology)["blocks_submitted"]) or 0) >= before + 2,
-                   timeout=300, interval=0.05, what="the request to be under way")
+        wait_until(lambda: (attempt(lambda: sae_stats(topology)["blocks_submitted"]) or 0) >= before + blocks,
+                   timeout=300, interval=0.05, what="the requests to be under way")
         ray.kill(topology.generator, no_restart=False)
 
     killer = threading.Thread(target=kill_generator, daemon=True)
     killer.start()
+    return killer
+
+
+def test_a_dead_generator_leaves_missing_blocks_on_record_and_the_request_reruns(topology, tmp_path):
+    killer = _kill_generator_once_under_way(topology, blocks=2)
     rows = [{"prompt": "Describe the sea at night.", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
              "request_id": "sea"}]
     summary, results = run_lines(topology.config, tmp_path, rows, "death")
@@ -168,17 +175,7 @@ def test_a_dead_generator_leaves_missing_blocks_on_record_and_the_request_reruns
 def test_a_generator_killed_mid_job_loses_no_line(topology, tmp_path):
     """Several lines in flight when the generator dies: the driver waits for the restarted one
     (it reloads its model) and every line is in the results file, finished, none lost."""
-    import ray
-
-    before = sae_stats(topology)["blocks_submitted"]
-
-    def kill_generator() -> None:
-        wait_until(lambda: (attempt(lambda: sae_stats(topology)["blocks_submitted"]) or 0) >= before + 3,
-                   timeout=300, interval=0.05, what="the lines to be under way")
-        ray.kill(topology.generator, no_restart=False)
-
-    killer = threading.Thread(target=kill_generator, daemon=True)
-    killer.start()
+    killer = _kill_generator_once_under_way(topology, blocks=3)
     rows = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "request_id": f"many-{i}"}
             for i, p in enumerate(["Describe the sea.", "Describe a forest.", "Describe a city at dawn."])]
     summary, results = run_lines(topology.config, tmp_path, rows, "many")
