@@ -126,7 +126,7 @@ def register_mod(request: Request, body: dict[str, Any] = Body(...)) -> dict[str
         raise validation_error(err.errors()) from None
 
     try:
-        replaced = service.mods.register(payload.name, body)
+        replaced = service.mods.register(payload.name, body, load_timeout_s=service.settings.mod_load_timeout_s)
     except ModPayloadError as err:
         raise ApiError(ErrorCode.INVALID_REQUEST, str(err), "source") from err
     return {"name": payload.name, "replaced": replaced, "description": payload.description}

@@ -14,6 +14,35 @@ from .settings import ServeSettings
 __all__ = ["Service", "ModRegistry"]
 
 
+#: how long a registered mod's top-level code may run when it is loaded
+REGISTER_TIMEOUT_S = 20.0
+
+_PROBE = (
+    "import json, sys\n"
+    "from mods.legacy_names import install_legacy_names\n"
+    "from mods.loading import load_mod_from_payload\n"
+    "install_legacy_names()\n"
+    "load_mod_from_payload(json.load(sys.stdin))\n"
+)
+
+
+def probe_payload(payload: Mapping[str, Any], timeout_s: float) -> None:
+    """Load ``payload`` in a child process that is stopped after ``timeout_s``: a mod whose
+    top-level code never returns is refused with a coded error, and nothing of it stays running.
+    A payload that fails there fails here too, with its own error, when it is loaded for real."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        subprocess.run([sys.executable, "-c", _PROBE], input=json.dumps(dict(payload)), text=True,
+                       capture_output=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:  # the child is killed by subprocess.run
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"a mod's top-level code must return within {timeout_s:g} s "
+                                                  "when it is loaded, got code still running (it was stopped). "
+                                                  "Move long work into the mod function.", "source") from None
+
+
 class ModRegistry:
     """Mods registered through ``POST /v1/mods``, by name; selected by a ``<model>/<name>`` suffix.
 
@@ -25,10 +54,15 @@ class ModRegistry:
         self._mods: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, payload: Mapping[str, Any]) -> bool:
-        """Load the payload now (a broken mod fails the registration, not a later request)."""
+    def register(self, name: str, payload: Mapping[str, Any], *, load_timeout_s: float = REGISTER_TIMEOUT_S) -> bool:
+        """Load the payload now (a broken mod fails the registration, not a later request).
+
+        Its top-level code runs first in a child process with a time limit (:func:`probe_payload`):
+        code that never returns would otherwise hold a server thread, and the CPU, for ever. Only
+        a payload that loaded there is loaded here (its top level runs twice)."""
         from engine.engine import load_mods
 
+        probe_payload(payload, load_timeout_s)
         (loaded,) = load_mods([dict(payload)])
         with self._lock:
             replaced = name in self._mods

@@ -47,6 +47,7 @@ class ServeSettings:
     max_ws_connections: int = 32
     request_timeout_s: float = 600.0
     max_top_logprobs: int = 20
+    mod_load_timeout_s: float = 20.0  # a registered mod's top-level code must return within this
 
     def __post_init__(self) -> None:
         checks = [
@@ -55,6 +56,7 @@ class ServeSettings:
             ("max_message_bytes", self.max_message_bytes >= 1024, ">= 1024", self.max_message_bytes),
             ("max_ws_connections", self.max_ws_connections >= 1, ">= 1", self.max_ws_connections),
             ("request_timeout_s", self.request_timeout_s > 0, "> 0", self.request_timeout_s),
+            ("mod_load_timeout_s", self.mod_load_timeout_s > 0, "> 0", self.mod_load_timeout_s),
             ("max_top_logprobs", 0 <= self.max_top_logprobs <= 20, "in [0, 20]", self.max_top_logprobs),
             ("api_key", self.api_key is None or len(self.api_key) >= 8, "at least 8 characters", "<hidden>"),
         ]

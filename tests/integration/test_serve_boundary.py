@@ -87,3 +87,21 @@ def test_stream_options_are_honoured_or_refused_never_ignored(http, engine, opti
                                                             stream_options=options),
                       headers={"content-type": "application/json"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_a_mod_whose_top_level_code_never_returns_is_refused_and_the_server_stays_healthy(engine):
+    import httpx
+
+    from pipelines.serve.app import build_app
+    from pipelines.serve.local import serve_in_thread
+    from pipelines.serve.settings import ServeSettings
+
+    settings = ServeSettings(allow_mod_registration=True, mod_load_timeout_s=2.0)
+    forever = {"name": "spin", "language": "python", "entrypoint": "m",
+               "source": "while True:\n    pass\n\ndef m(event, tokenizer):\n    return None\n"}
+    fine = {**forever, "name": "fine", "source": "def m(event, tokenizer):\n    return None\n"}
+    with serve_in_thread(build_app(engine, settings)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        reply = http.post("/v1/mods", json=forever)  # answered at all: the probe was stopped
+        assert reply.status_code == 400 and "must return within 2 s" in reply.json()["error"]["message"], reply.text
+        assert http.post("/v1/mods", json=fine).status_code == 200  # positive control
+        assert http.get("/health").status_code == 200
