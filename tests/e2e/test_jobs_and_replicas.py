@@ -142,6 +142,26 @@ def test_a_line_that_fails_at_run_time_fails_alone_and_the_job_goes_on(base, tmp
     assert {r["line"] for r in by_id.values()} == {1, 2, 3, 4}
 
 
+def test_a_job_whose_every_line_ends_in_error_counts_them_failed(base, tmp_path):
+    """Lines that run but end with ``finish_reason: error`` (here a mod's EmitError) are failed
+    lines: the summary counts them (the job exits 1 on any) — never ``failed: 0``."""
+    from pipelines.jobs.generate import read_prompts, run
+
+    emit = {"language": "python", "entrypoint": "m", "source": (
+        "from quote_mod_sdk import Prefilled, mod\n\n@mod\ndef m(event, actions, tokenizer):\n"
+        "    if isinstance(event, Prefilled):\n        return actions.emit_error('refused on purpose')\n"
+        "    return None\n")}
+    rows = [{"prompt": p, "max_tokens": 3, "request_id": f"err-{i}", "mods": [emit]} for i, p in enumerate(["a", "b"])]
+    write_prompts(tmp_path / "p.jsonl", rows)
+    summary = run(base, read_prompts(tmp_path / "p.jsonl"), tmp_path / "o.jsonl", progress=lambda _: None)
+    out = results(tmp_path / "o.jsonl")
+    assert [r["finish_reason"] for r in out] == ["error", "error"] and "refused on purpose" in out[0]["error"]
+    assert summary["requests"] == 2 and summary["failed"] == 2
+    fine = [{"prompt": "Say hi.", "max_tokens": 2, "request_id": "fine-3"}]  # positive control
+    write_prompts(tmp_path / "fine.jsonl", fine)
+    assert run(base, read_prompts(tmp_path / "fine.jsonl"), tmp_path / "f.jsonl", progress=lambda _: None)["failed"] == 0
+
+
 def _rows_match_tokens(config, request_id) -> tuple[int, int]:
     """(stored SAE rows of a request, how many name another token than its requests row)."""
     [(prompt_ids, output_ids)] = store_sql(config, "SELECT prompt_ids, output_ids FROM requests WHERE request_id = ?",
