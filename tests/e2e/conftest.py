@@ -43,8 +43,8 @@ class Head:
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """A ``ray start --head --block`` process of this module's own, in its own process group:
-    stopping it stops exactly the head this module started (``ray stop`` would stop every Ray on
-    the machine, other test runs' included)."""
+    signalling it stops exactly the head this module started and no other Ray on the machine
+    (other test runs' included)."""
     import ray
 
     temp_dir = Path("/tmp") / f"rl-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths have a length limit

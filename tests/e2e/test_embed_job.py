@@ -1,8 +1,8 @@
 """The embedding job on a real local Ray cluster bound to 127.0.0.1: a texts file in, Parquet out,
 equal to the in-process engine's embeddings, and the job's actor gone afterwards.
 
-The cluster is this module's own (``ray.init`` starts it, ``ray.shutdown`` stops exactly it), not
-a ``ray start`` head: ``ray stop`` would also stop any other Ray on the machine.
+The cluster is this module's own: ``ray.init`` starts it and ``ray.shutdown`` stops exactly it,
+leaving any other Ray on the machine alone.
 """
 
 from __future__ import annotations
