@@ -107,7 +107,7 @@ class Engine:
                                       backend_type=config.backend.backend_type, layer=config.backend.hidden_state_layer,
                                       ingest=self._ingest, store=self.store, sae_metadata=self._sae_metadata)
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
-        self._session = uuid.uuid4().hex[:8]  # suffixes a reused request id (see _claimed)
+        self._session = uuid.uuid4().hex[:8]  # suffixes a reused request id (see _unused_request_id)
         freeze_startup_objects()
 
     def use_sae(self, handoff: SAEHandoff) -> None:
@@ -239,7 +239,7 @@ class Engine:
         is dispatched. With every slot and the wait queue full, ``block`` waits (up to
         ``timeout``) for room; ``block=False`` raises :class:`~engine.errors.QueueFullError`.
         """
-        processed = self._claimed(self.processor.process(as_request(request, fields)))
+        processed = self._unused_request_id(self.processor.process(as_request(request, fields)))
         info = self.backend.info
         request_id = processed.request_id
         names = set(self._event_names)
@@ -286,7 +286,7 @@ class Engine:
             raise
         return handle
 
-    def _claimed(self, processed: EngineRequest) -> EngineRequest:
+    def _unused_request_id(self, processed: EngineRequest) -> EngineRequest:
         """With a store, a caller's id that any earlier request used runs under a fresh one
         (``<id>~<session>``), as a Ray job's lines do: the store's rows of that id describe the
         earlier request's tokens, and SAE batch ids derive from it. The result says both ids."""
