@@ -16,13 +16,7 @@ from engine.core.request import EngineRequest
 from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
 from engine.model.sampling import SamplingParams
 
-__all__ = ["InputProcessor", "prompt_limit"]
-
-
-def prompt_limit(max_context: int, max_sequence: int) -> int:
-    """The context rule: a prompt must be shorter than this many tokens (the model's context and
-    the KV slot's length, ``backend.max_sequence``), so at least one token can be generated."""
-    return min(max_context, max_sequence)
+__all__ = ["InputProcessor"]
 
 
 class InputProcessor:
@@ -34,7 +28,9 @@ class InputProcessor:
                  load_mods: Callable[[Sequence[Any], Sequence[str]], list[Callable[..., Any]]]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.limit = prompt_limit(max_context, max_sequence)
+        # the context rule: a prompt must be shorter than the model's context and the KV slot's
+        # length (backend.max_sequence), so at least one token can be generated
+        self.limit = min(max_context, max_sequence)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.defaults = defaults
         self._load_mods = load_mods

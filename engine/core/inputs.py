@@ -156,7 +156,6 @@ class GenerationRequest:
                 raise InvalidRequestError(f"`tools` must be a list of objects, got {self.tools!r}"[:300],
                                           parameter="tools", value=self.tools)
             object.__setattr__(self, "tools", tuple(dict(t) for t in self.tools))
-        if self.tools is not None:
             _check_tools(self.tools)
         if self.response_format is not None:
             _check_response_format(self.response_format)
@@ -177,7 +176,8 @@ class GenerationRequest:
                                       parameter="repetition_penalty", value=rp)
         lp = self.top_logprobs
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not -1 <= lp <= MAX_TOP_LOGPROBS):
-            raise InvalidRequestError(f"`top_logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}",
+            raise InvalidRequestError(f"`top_logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}] (or -1 or "
+                                      f"null: none), got {lp!r}",
                                       parameter="top_logprobs", value=lp)
         if self.attention not in (None, "all"):
             raise InvalidRequestError(f"`attention` must be None or 'all', got {self.attention!r}",

@@ -29,7 +29,6 @@ order, with the same records, as in place.
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -44,14 +43,7 @@ from engine.model.sampling import SampleResult, SampleRow
 from engine.model.tensor import TensorShim
 from mods.types import Added, ContextInfo, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
-__all__ = ["RequestMachine", "Phase", "join_chunks"]
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"  # admitted, nothing fed yet
-    PREFILLING = "prefilling"  # some of the prompt's chunks are in, Prefilled not yet dispatched
-    DECODING = "decoding"
-    FINISHED = "finished"
+__all__ = ["RequestMachine", "join_chunks"]
 
 
 class RequestMachine:
@@ -62,12 +54,11 @@ class RequestMachine:
         self.state = state
         self.actions = PhaseActions(state, vocab_size=vocab_size, device=device, steering=steering,
                                     commit_silently=self._commit_silently)
-        self.steering = steering
         self.max_sequence = 1 << 62  # set by start()
         self.overlap = False  # the device runs forwards asynchronously: announcements may wait
-        self.chunks = 0  # forwards that fed part of a feed (prefill chunks before the last)
         self._decoding = False  # Prefilled was dispatched
         self._parts: list[tuple[ForwardRow, RowOutput]] = []  # the chunks of a feed still in progress
+        self._newest: tuple[Any, np.ndarray, np.ndarray] | None = None  # the newest row's SAE top-k on the host
         self._outbox: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
         self._mod_free = not state.manager.mods
         # the two plans a row is fed with, built once: a prompt's rows all, later feeds the newest
@@ -91,14 +82,6 @@ class RequestMachine:
     def decoding(self) -> bool:
         """The prompt is in and Prefilled was dispatched (each step it feeds its newest tokens)."""
         return self._decoding
-
-    @property
-    def phase(self) -> Phase:
-        if self.state.finish is not None:
-            return Phase.FINISHED
-        if self._decoding:
-            return Phase.DECODING
-        return Phase.PREFILLING if self.state.cached else Phase.WAITING
 
     @property
     def ready(self) -> bool:
@@ -153,7 +136,7 @@ class RequestMachine:
             if end > prompt_len:
                 tokens = tokens + state.generated[:end - prompt_len]
         steer = state.steer_delta
-        layer = self.steering.layer if steer is not None and self.steering is not None else None
+        layer = self.actions.steering.layer if steer is not None and self.actions.steering is not None else None
         return ForwardRow(state.request_id, start, tuple(tokens), self._plans[not self._decoding], steer, layer)
 
     def on_forward(self, row: ForwardRow, output: RowOutput, forward_ms: float) -> bool:
@@ -166,7 +149,6 @@ class RequestMachine:
             state.prefill_ms += forward_ms
         if state.cached < len(state.prompt_ids) + len(state.generated):
             self._parts.append((row, output))
-            self.chunks += 1
             state.output = None  # no step runs on an older forward while this feed is incomplete
             return False
         if self._parts:
@@ -314,9 +296,15 @@ class RequestMachine:
         encoded = self.state.sae_features
         if encoded is None:
             return None
-        values, indices = (encoded.values[-1], encoded.indices[-1]) if newest_only else (encoded.values,
-                                                                                         encoded.indices)
-        return SAEFeatures(indices.cpu().numpy(), values.float().cpu().numpy(), encoded.release, encoded.layer)
+        if not newest_only:
+            return SAEFeatures(encoded.indices.cpu().numpy(), encoded.values.float().cpu().numpy(), encoded.release,
+                               encoded.layer)
+        # ForwardPass and the stream both want the newest row: one host copy per forward, and each
+        # reader gets arrays of its own (a mod may write into what it is handed)
+        if self._newest is None or self._newest[0] is not encoded:
+            self._newest = (encoded, encoded.indices[-1].cpu().numpy(), encoded.values[-1].float().cpu().numpy())
+        _, indices, values = self._newest
+        return SAEFeatures(indices.copy(), values.copy(), encoded.release, encoded.layer)
 
     def _prefilled_event(self) -> Prefilled:
         state = self.state

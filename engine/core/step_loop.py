@@ -85,7 +85,7 @@ class StepLoop:
         self.backend = backend
         self.max_waiting = max_waiting
         self.scheduler = Scheduler(max_batch=backend.max_batch,
-                                   max_step_tokens=getattr(backend.config, "max_step_tokens", 512))
+                                   max_step_tokens=backend.config.max_step_tokens)
         self._waiting: collections.deque[Entry] = collections.deque()
         self._active: list[Entry] = []
         self._cond = threading.Condition()

@@ -13,33 +13,23 @@ them in place.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
-from engine.model.hook_names import HookName, expand_hook_names, parse_hook_name
+from engine.model.hook_names import expand_hook_names, parse_hook_name
 from engine.model.taps import Recording, Taps, taps_of
 
-__all__ = ["Recording", "hooks", "capture", "check_input_ids", "write_capture", "manifest_entry", "load_capture",
+__all__ = ["Recording", "capture", "check_input_ids", "write_capture", "manifest_entry", "load_capture",
            "compare_captures", "TensorDiff", "TENSORS_FILE", "MANIFEST_FILE", "FORMAT"]
 
 TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 FORMAT = "raylens-capture/1"
-
-
-@contextlib.contextmanager
-def hooks(model: Any, names: Sequence[HookName]) -> Iterator[Recording]:
-    """Hooks that record ``names`` during this thread's forwards inside the block, removed on exit
-    even when the forward raises (:meth:`~engine.model.taps.Taps.record` on ``model``'s taps
-    table). Read the tensors with ``recording.tensors(cache)``."""
-    with taps_of(model).record(names) as rec:
-        yield rec
 
 
 def check_input_ids(model: Any, input_ids: Sequence[int]) -> list[int]:

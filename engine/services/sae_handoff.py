@@ -9,7 +9,9 @@ block to its :class:`BlockTransport` and settles what the transport reports:
 * a failed one is sent again under the one :class:`RetryPolicy` (``sae.retry_attempts`` attempts
   in all, ``sae.retry_backoff_s`` apart, doubling) — the store keys batches by id, so a repeat is
   harmless — and when every attempt failed it is recorded in the store's ``missing_blocks`` table
-  with the reason. A gap is always explained and no failure reaches the loop;
+  with the reason. A gap is always explained and no failure raises into the loop (but a retry's
+  back-off is waited by the thread that settles the block — on the step loop's thread for the
+  inline and Ray transports: 50 ms, then 100 ms, only after a failure);
 * at most ``max_pending`` blocks are unsettled: at the bound the loop waits for one to settle
   (back-pressure: nothing is dropped), counted as ``backlog_waits``.
 

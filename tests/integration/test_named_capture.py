@@ -15,7 +15,8 @@ import torch
 from engine.errors import InvalidRequestError, LayerOutOfRangeError, TokenOutOfVocabularyError
 from engine.model.capture import hidden_states_index
 from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, expand_hook_names
-from engine.model.named_capture import MANIFEST_FILE, TENSORS_FILE, capture, hooks
+from engine.model.named_capture import MANIFEST_FILE, TENSORS_FILE, capture
+from engine.model.taps import taps_of
 from tests.helpers import FP32_NOISE_TOL
 
 PROMPT = "Explain why the sky is blue in two sentences."
@@ -170,7 +171,7 @@ def test_capture_never_changes_logits(model, ids):
     from transformers import DynamicCache
 
     before = _hf(model, ids).logits
-    with hooks(model, expand_hook_names(["*"], model.config.num_hidden_layers)) as rec:
+    with taps_of(model).record(expand_hook_names(["*"], model.config.num_hidden_layers)) as rec:
         during = _hf(model, ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
     after = _hf(model, ids).logits
     assert rec.raw, "positive control: the hooks recorded the forward"
@@ -180,7 +181,7 @@ def test_capture_never_changes_logits(model, ids):
 
 def test_capture_releases_hooks_when_the_forward_raises(model, ids):
     before = _all_hooks(model)
-    with hooks(model, expand_hook_names(["*"], model.config.num_hidden_layers)):
+    with taps_of(model).record(expand_hook_names(["*"], model.config.num_hidden_layers)):
         inside = _all_hooks(model)
     assert inside != before, "positive control: hooks were registered inside the context"
 
@@ -202,7 +203,7 @@ def test_capture_releases_hooks_when_the_forward_raises(model, ids):
 
 def test_capture_ignores_forwards_of_other_threads(model, ids):
     names = expand_hook_names(["blocks.0.hook_resid_post"], model.config.num_hidden_layers)
-    with hooks(model, names) as rec:
+    with taps_of(model).record(names) as rec:
         other = threading.Thread(target=_hf, args=(model, ids))
         other.start()
         other.join(timeout=120)
