@@ -52,7 +52,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     from engine import Engine
-    from pipelines.bench.batching import build_random_model, format_concurrency, run_concurrency_bench
+    from pipelines.bench.batching import format_concurrency, run_concurrency_bench
     from pipelines.bench.generation_paths import format_table, run_bench
     from pipelines.bench.ray_pipeline import format_ray, run_ray_bench
     from pipelines.bench.sae_nearline import format_sae, run_sae_bench
@@ -65,20 +65,13 @@ def run_cli(args: argparse.Namespace) -> int:
         return _long_prompt_cli(args, progress)
     overrides: dict[str, dict[str, Any]] = {}
     if getattr(args, "host_overhead", False):
-        path = build_random_model("near-free", progress=progress)
         if not args.concurrency:
             args.concurrency = [1, 8, 32, 64]
-        # the default capture (hidden states and attention at a layer) and payloads stay on
-        overrides["backend"] = {"model_id": str(path), "device": "cpu", "dtype": "float32", "max_sequence": 1024,
-                                "hidden_state_layer": 1}
-        overrides["activations"] = {"enabled": False}
-        overrides["sae"] = {"enabled": False}
+        # the default capture (hidden states and attention at a layer) and payloads stay on; the
+        # near-free model has two layers
+        overrides = _random_model_overrides("near-free", None, progress, hidden_state_layer=1)
     if getattr(args, "random_model", None):
-        path = build_random_model(args.random_model, tokenizer=getattr(args, "tokenizer", None), progress=progress)
-        # a static cache is allocated whole: size it to the bench's requests, not the model's 128k context
-        overrides["backend"] = {"model_id": str(path), "device": "cuda", "dtype": "bfloat16", "max_sequence": 1024}
-        overrides["activations"] = {"enabled": False}
-        overrides["sae"] = {"enabled": False}
+        overrides = _random_model_overrides(args.random_model, getattr(args, "tokenizer", None), progress)
     concurrency = sorted(set(getattr(args, "concurrency", None) or []))
     if concurrency:
         overrides.setdefault("backend", {})["max_batch"] = max(concurrency)
@@ -113,6 +106,19 @@ def run_cli(args: argparse.Namespace) -> int:
         print(format_ray(report["ray"]))
     _write_report(args.out, report)
     return 0
+
+
+def _random_model_overrides(name: str, tokenizer: str | None, progress: Callable[[str], None],
+                            **backend: Any) -> dict[str, dict[str, Any]]:
+    """The config overrides that run the bench on ``name`` with random weights, built once on its
+    device and dtype (``RANDOM_MODELS``); no store, no SAE. A static cache is allocated whole, so
+    ``max_sequence`` is sized to the bench's requests, not the model's context."""
+    from pipelines.bench.batching import RANDOM_MODELS, build_random_model
+
+    path = build_random_model(name, tokenizer=tokenizer, progress=progress)
+    device, dtype = RANDOM_MODELS[name]
+    return {"backend": {"model_id": str(path), "device": device, "dtype": dtype, "max_sequence": 1024, **backend},
+            "activations": {"enabled": False}, "sae": {"enabled": False}}
 
 
 def _internals_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], None]) -> int:

@@ -40,6 +40,7 @@ def _cmd_browse(args: argparse.Namespace) -> int:
     from pipelines.serve.settings import API_KEY_ENV, ServeSettings
 
     from .arguments import UsageError
+    from .store_commands import _tokenizer
 
     settings = ServeSettings(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV),
                              insecure_no_auth=args.insecure_no_auth)
@@ -48,7 +49,7 @@ def _cmd_browse(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise UsageError(f"`--store` must name an existing activation store, got {str(path)!r}; run a job with "
                          "activations.enabled first, or pass --store")
-    tokenizer = None if args.no_tokenizer else _tokenizer(config)
+    tokenizer = None if args.no_tokenizer else _tokenizer(config)  # token text, else ids
     # read-only: DuckDB allows one writer per file, so this runs beside no job writing to it
     store = ActivationStore(path, read_only=True, create=False)
     try:
@@ -60,23 +61,6 @@ def _cmd_browse(args: argparse.Namespace) -> int:
     finally:
         store.close()
     return 0
-
-
-def _tokenizer(config) -> object | None:
-    """The config's model's tokenizer files (no weights), for token text; None if unavailable."""
-    try:
-        from transformers import AutoTokenizer
-
-        from engine.model.loading import resolve_model_path
-
-        return AutoTokenizer.from_pretrained(resolve_model_path(config.backend.model_id,
-                                                                config.backend.model_cache_dir),
-                                             token=config.backend.hf_token)
-    except Exception as err:  # the browser still works with ids
-        import sys
-
-        print(f"raylens: no tokenizer ({type(err).__name__}: {err}); showing token ids", file=sys.stderr)
-        return None
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -63,12 +63,12 @@ def probe_address(address: str, timeout: float, *, what: str, key: str) -> None:
 
     ``host:port`` is a GCS, a gRPC server: it must answer an HTTP/2 greeting (a listener that
     accepts and stays silent would hold ``ray.init`` for minutes). An ``http(s)://`` URL is a
-    dashboard: its ``/api/version`` must answer. ``auto`` and ``ray://`` are left to Ray, which
-    finds or refuses them at once.
+    dashboard: its ``/api/version`` must answer. ``local`` (a new Ray of this process's own) and
+    ``ray://`` are left to Ray; ``auto`` is resolved by :func:`resolve_auto` before this.
     """
     from urllib.parse import urlsplit
 
-    if address in ("auto", "local") or address.startswith("ray://"):
+    if address == "local" or address.startswith("ray://"):
         return
     try:
         if "://" in address:

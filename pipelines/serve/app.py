@@ -32,7 +32,7 @@ from fastapi.staticfiles import StaticFiles
 from . import attention_api, features_api, openai_api
 from .errors import ApiError, ErrorCode, api_error_from, validation_error
 from .service import Service
-from .settings import ServeSettings
+from .settings import ServeSettings, raylens_version
 
 __all__ = ["build_app", "build_browser_app", "Guards"]
 
@@ -63,7 +63,7 @@ def build_app(engine: Any, settings: ServeSettings | None = None, *, store: Any 
 
     @app.get("/version", tags=["health"])
     def version() -> dict[str, Any]:
-        return {"version": _version()}
+        return {"version": raylens_version()}
 
     @app.get("/", include_in_schema=False)
     def viewer() -> FileResponse:
@@ -134,15 +134,6 @@ def _base_app(settings: ServeSettings, source: "features_api.FeatureSource", des
 
     app.add_middleware(Guards, settings=settings)
     return app
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("raylens")
-    except PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
 
 
 def _error_response(path: str, err: ApiError) -> JSONResponse:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["ErrorCode", "ApiError", "api_error_from", "validation_error"]
+__all__ = ["ErrorCode", "ApiError", "api_error_from", "validation_error", "is_lost_actor"]
 
 
 class ErrorCode(str, Enum):
@@ -108,7 +108,7 @@ def api_error_from(err: BaseException) -> ApiError:
         return ApiError(ErrorCode.INVALID_TOKEN, str(err), parameter)
     if isinstance(err, engine_errors.ContextOverflowError):
         return ApiError(ErrorCode.CONTEXT_TOO_LONG, str(err), parameter)
-    if _is_lost_actor(err):
+    if is_lost_actor(err):
         return ApiError(ErrorCode.UNAVAILABLE, "the generator actor serving this request was lost (it died or its "
                                                "node left); the server resolves it again: retry in a few seconds.",
                         None, {"retry_after_s": RETRY_AFTER_S})
@@ -129,7 +129,7 @@ def api_error_from(err: BaseException) -> ApiError:
 RETRY_AFTER_S = 5
 
 
-def _is_lost_actor(err: BaseException) -> bool:
+def is_lost_actor(err: BaseException) -> bool:
     """A Ray actor died or became unreachable: retryable once it is resolved again."""
     try:
         from ray.exceptions import ActorUnavailableError, RayActorError

@@ -23,7 +23,6 @@ refused with 400 instead of being dropped.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import uuid
@@ -40,6 +39,7 @@ from .bridge import Stream, open_stream
 from .engine_stream import Erased, TokenEvent
 from .errors import ApiError, ErrorCode, api_error_from, validation_error
 from .service import Service
+from .settings import raylens_version
 
 __all__ = ["router", "ChatCompletionRequest", "resolve_model"]
 
@@ -172,15 +172,9 @@ def _text_content(message: ChatMessage, index: int) -> dict[str, Any]:
     return data
 
 
-@functools.lru_cache(maxsize=1)
 def _fingerprint() -> str:
     """``system_fingerprint``: this server's build (OpenAI's reference wants a string, or nothing)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"raylens-{version('raylens')}"
-    except PackageNotFoundError:  # a checkout that was never installed
-        return "raylens-dev"
+    return f"raylens-{raylens_version()}"
 
 
 def _include_usage(options: dict[str, Any] | None, stream: bool) -> bool:

@@ -34,6 +34,8 @@ from engine.core.request import EngineRequest
 from engine.core.stream import RequestHandle
 from engine.errors import QueueFullError
 
+from .errors import is_lost_actor
+
 __all__ = ["RemoteEngine", "RemoteHandle", "unwrap"]
 
 
@@ -174,9 +176,7 @@ class RemoteEngine:
         try:
             return self._start(request, timeout)
         except Exception as err:
-            from ray.exceptions import ActorUnavailableError, RayActorError
-
-            if not isinstance(unwrap(err), (RayActorError, ActorUnavailableError)):
+            if not is_lost_actor(unwrap(err)):
                 raise
         # the generator is gone (killed without a restart, its node lost): the config's actors are
         # resolved again — a job may already have recreated them — and the request tried once more

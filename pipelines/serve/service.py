@@ -14,9 +14,6 @@ from .settings import ServeSettings
 __all__ = ["Service", "ModRegistry"]
 
 
-#: how long a registered mod's top-level code may run when it is loaded
-REGISTER_TIMEOUT_S = 20.0
-
 _PROBE = (
     "import json, sys\n"
     "from mods.legacy_names import install_legacy_names\n"
@@ -54,10 +51,11 @@ class ModRegistry:
         self._mods: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, payload: Mapping[str, Any], *, load_timeout_s: float = REGISTER_TIMEOUT_S) -> bool:
+    def register(self, name: str, payload: Mapping[str, Any], *, load_timeout_s: float) -> bool:
         """Load the payload now (a broken mod fails the registration, not a later request).
 
-        Its top-level code runs first in a child process with a time limit (:func:`probe_payload`):
+        Its top-level code runs first in a child process stopped after ``load_timeout_s`` (the
+        server's ``mod_load_timeout_s``; :func:`probe_payload`):
         code that never returns would otherwise hold a server thread, and the CPU, for ever. Only
         a payload that loaded there is loaded here (its top level runs twice)."""
         from engine.engine import load_mods

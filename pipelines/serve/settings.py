@@ -9,14 +9,26 @@ needs ``allow_mod_registration`` and, off loopback, an API key — always.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
 
-__all__ = ["ServeSettings", "is_loopback", "API_KEY_ENV"]
+__all__ = ["ServeSettings", "is_loopback", "API_KEY_ENV", "raylens_version"]
 
 API_KEY_ENV = "RAYLENS_API_KEY"
+
+
+@functools.lru_cache(maxsize=1)
+def raylens_version() -> str:
+    """The installed package's version (``GET /version``, ``system_fingerprint``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("raylens")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def is_loopback(host: str) -> bool:

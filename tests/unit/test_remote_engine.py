@@ -156,7 +156,7 @@ def test_registered_mods_reach_an_actor_backed_engine_as_payloads():
     local = Service(SimpleNamespace(sae_features_inline=False), ServeSettings())
     remote = Service(SimpleNamespace(mods_as_payloads=True, sae_features_inline=False), ServeSettings())
     for service in (local, remote):
-        service.mods.register("noop", payload)
+        service.mods.register("noop", payload, load_timeout_s=service.settings.mod_load_timeout_s)
     assert callable(local.mod("noop"))
     assert remote.mod("noop") == payload
     assert remote.sae_features_available() is False
