@@ -150,6 +150,21 @@ class GeneratorActor:
         """``Engine.encode`` (chat template and all), so a replica tokenizes exactly as requests are."""
         return self.engine.encode(prompt, **kwargs)
 
+    def score(self, input_ids: list[int], top_k: int = 0) -> Any:
+        """``Engine.score``: per-position log-probs of ``input_ids`` from one fresh forward (the
+        Serve replica's prompt log-probs); a :class:`~engine.model.scoring.SequenceScores`."""
+        try:
+            return self.engine.score(input_ids, top_k=top_k)
+        except Exception as err:
+            raise portable_error(err) from None
+
+    def embed_tokens(self, token_ids: list[list[int]], layer: int | None = None, pool: str = "mean") -> Any:
+        """``Engine.embed_tokens``: ``(len(token_ids), d)`` float32 numpy embeddings."""
+        try:
+            return self.engine.embed_tokens(token_ids, layer=layer, pool=pool)
+        except Exception as err:
+            raise portable_error(err) from None
+
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """One request → its result, :meth:`~engine.core.result.GenerationResult.portable` (the
         events and the payload stay here; the payload goes to the IngestActor)."""

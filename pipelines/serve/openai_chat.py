@@ -24,7 +24,7 @@ from engine.core.inputs import GenerationRequest
 from engine.errors import InvalidRequestError
 
 from .errors import ApiError, ErrorCode, api_error_from
-from .openai_choices import Choice, interleave, open_choices
+from .openai_choices import Choice, interleave, open_choices, seeded
 from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, resolve_model, service_of,
                             sse, tool_calls)
 from .openai_models import ERRORS, ChatCompletionRequest, ChatMessage
@@ -83,7 +83,7 @@ class ChatCall:
 
     def requests(self) -> list[GenerationRequest]:
         """The engine requests of the ``n`` choices (choice ``i`` seeded ``seed + i``, as candidates)."""
-        return [self.request]
+        return seeded(self.request, self.body.n)
 
     def new_text(self) -> ChoiceText:
         return ChoiceText(self.service.tokenizer, self.stops, keep_samples=self.body.logprobs)

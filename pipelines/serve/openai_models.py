@@ -12,7 +12,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "ChatCompletionRequest", "ModPayload"]
+__all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "ModPayload",
+           "MAX_CHOICES", "MAX_PROMPTS", "MAX_LEGACY_LOGPROBS"]
+
+
+#: the most choices one request may ask for (``n``; on completions, ``n`` times the prompts)
+MAX_CHOICES = 16
+#: the most prompts one completions request may hold
+MAX_PROMPTS = 64
+#: OpenAI's bound on legacy completions' ``logprobs``
+MAX_LEGACY_LOGPROBS = 5
 
 
 class OpenAIErrorBody(BaseModel):
@@ -44,7 +53,8 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
     top_p: float | None = Field(None, description="in (0, 1]")
     top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
-    n: int = Field(1, ge=1, le=1, strict=True, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True,
+                   description=f"in [1, {MAX_CHOICES}]; choice i is seeded seed + i, all n run as one batch")
     stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
@@ -65,3 +75,32 @@ class ModPayload(BaseModel):
     language: str = "python"
     entrypoint: str = Field(min_length=1)
     description: str | None = None
+
+
+
+class CompletionRequest(BaseModel):
+    """The legacy Completions request: raw text (no chat template) or token ids in, text out."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str = Field(min_length=1, max_length=512)
+    prompt: Any = Field(description="a string, a list of token ids, or a list of either (each its own choices)")
+    suffix: str | None = Field(None, description="not supported: must be null or empty")
+    max_tokens: int | None = Field(16, strict=True, description=">= 0 (0 only with echo: score the prompt); "
+                                                                 "OpenAI's default 16")
+    temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
+    top_p: float | None = Field(None, description="in (0, 1]")
+    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True, description=f"in [1, {MAX_CHOICES}]")
+    best_of: int | None = Field(None, strict=True, description="must equal n (no server-side ranking)")
+    stream: bool = Field(False, strict=True)
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]; choice i is seeded seed + i")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LEGACY_LOGPROBS, strict=True,
+                                 description=f"in [0, {MAX_LEGACY_LOGPROBS}]: each token's log-prob and that many "
+                                             "alternatives")
+    echo: bool = Field(False, strict=True)
+    ignore_eos: bool | None = Field(None, strict=True)
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
+    repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
