@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, Body, Request
 
-from . import openai_chat, openai_completions
+from . import openai_chat, openai_completions, openai_embeddings
 from .errors import ApiError, ErrorCode, validation_error
 from .openai_common import resolve_model, service_of
 from .openai_models import ERRORS, ChatCompletionRequest, ModPayload
@@ -59,4 +59,4 @@ def register_mod(request: Request, body: dict[str, Any] = Body(...)) -> dict[str
 
 
 #: every OpenAI router, for the app to include
-routers = (router, openai_chat.router, openai_completions.router)
+routers = (router, openai_chat.router, openai_completions.router, openai_embeddings.router)

@@ -104,3 +104,17 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+
+
+#: the most inputs one embeddings request may hold
+MAX_EMBEDDING_INPUTS = 256
+
+
+class EmbeddingRequest(BaseModel):
+    """The Embeddings request: text or token ids in, one vector per input out."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, max_length=512)
+    input: Any = Field(description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    encoding_format: Literal["float", "base64"] = Field("float", description="base64: little-endian float32 bytes")
+    dimensions: int | None = Field(None, strict=True, description="null or the model's hidden size")
