@@ -165,6 +165,15 @@ class GeneratorActor:
         except Exception as err:
             raise portable_error(err) from None
 
+    def capture(self, input_ids: list[int], names: list[str]) -> dict[str, Any]:
+        """``Engine.capture`` of ``input_ids``: ``{name: float32 numpy array}`` (host copies, so
+        they cross Ray without torch tensors)."""
+        try:
+            tensors = self.engine.capture(input_ids=input_ids, names=names)
+        except Exception as err:
+            raise portable_error(err) from None
+        return {name: tensor.detach().float().cpu().numpy() for name, tensor in tensors.items()}
+
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """One request → its result, :meth:`~engine.core.result.GenerationResult.portable` (the
         events and the payload stay here; the payload goes to the IngestActor)."""

@@ -28,6 +28,7 @@ from .openai_choices import Choice, interleave, open_choices, seeded
 from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, resolve_model, service_of,
                             sse, tool_calls)
 from .openai_models import ERRORS, ChatCompletionRequest, ChatMessage
+from .openai_raylens import parse_extension
 from .openai_text import ChoiceText, Sample
 from .service import Service
 
@@ -65,6 +66,9 @@ class ChatCall:
     def __init__(self, service: Service, body: ChatCompletionRequest) -> None:
         self.service, self.body = service, body
         self.mods = resolve_model(service, body.model)
+        self.ext = parse_extension(service, (body.model_extra or {}).get("raylens"))
+        if self.ext is not None:
+            self.mods = self.mods + self.ext.mods()
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.stops = parse_stops(body.stop)
@@ -86,7 +90,8 @@ class ChatCall:
         return seeded(self.request, self.body.n)
 
     def new_text(self) -> ChoiceText:
-        return ChoiceText(self.service.tokenizer, self.stops, keep_samples=self.body.logprobs)
+        return ChoiceText(self.service.tokenizer, self.stops,
+                          keep_samples=self.body.logprobs or (self.ext is not None and self.ext.keeps_samples))
 
     # ------------------------------------------------------------------------------ endings
 
@@ -115,11 +120,13 @@ class ChatCall:
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                 "total_tokens": prompt + completion_tokens}
 
-    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, *, logprobs: Any = None,
+              raylens: dict[str, Any] | None = None) -> str:
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        if raylens:
+            choice["raylens"] = raylens
         return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
-                    "system_fingerprint": fingerprint(),
-                    "choices": [{"index": index, "delta": delta, "finish_reason": finish,
-                                 "logprobs": extra.pop("logprobs", None)}], **extra})
+                    "system_fingerprint": fingerprint(), "choices": [choice]})
 
     # ---------------------------------------------------------------------------- responses
 
@@ -138,6 +145,9 @@ class ChatCall:
         logprobs = ({"content": [self._logprob_entry(s) for s in text.samples], "refusal": None}
                     if self.body.logprobs else None)
         body = {"index": choice.index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+        extra = await self.ext.choice_extra(self.service, text, result) if self.ext is not None else {}
+        if extra:
+            body["raylens"] = extra
         return body, result, text.completion_tokens(result)
 
     async def complete(self, choices: list[Choice]) -> dict[str, Any]:
@@ -151,17 +161,19 @@ class ChatCall:
         stream, text, index = choice.stream, choice.text, choice.index
         try:
             yield self.chunk(index, {"role": "assistant", "content": ""})
-            streamed = 0  # logprob entries already sent
+            streamed = 0  # samples (logprob entries, features) already sent
             async for kind, value in text.follow(stream):
                 if kind == "removed":
                     streamed = min(streamed, len(text.samples))
                     yield self.chunk(index, {"removed": value})
                     continue
-                extra = {}
+                logprobs = raylens = None
                 if self.body.logprobs:
-                    extra["logprobs"] = {"content": [self._logprob_entry(s) for s in text.samples[streamed:]]}
-                    streamed = len(text.samples)
-                yield self.chunk(index, {"content": value}, **extra)
+                    logprobs = {"content": [self._logprob_entry(s) for s in text.samples[streamed:]]}
+                if self.ext is not None and self.ext.sae_features:
+                    raylens = {"sae_features": self.ext.token_features(text, streamed)}
+                streamed = len(text.samples)
+                yield self.chunk(index, {"content": value}, logprobs=logprobs, raylens=raylens)
             result = await stream.result()
             finish, content, calls = self.finish(text, result)
             if content is not None and content != text.text():
@@ -172,7 +184,10 @@ class ChatCall:
                     yield self.chunk(index, {"removed": len(text.ids)})
                 yield self.chunk(index, {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})
             ended.append((result, text.completion_tokens(result)))
-            yield self.chunk(index, {}, finish)
+            captures = None
+            if self.ext is not None and self.ext.capture_names:
+                captures = {"captures": await self.ext.captures(self.service, text, result)}
+            yield self.chunk(index, {}, finish, raylens=captures)
         finally:
             stream.cancel()
 

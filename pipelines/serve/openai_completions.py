@@ -36,6 +36,7 @@ from .openai_common import SSE_DONE, SSE_HEADERS, fingerprint, include_usage, pa
 from .openai_legacy import LegacyLogprobs
 from .openai_models import ERRORS, MAX_PROMPTS, CompletionRequest
 from .openai_prompts import parse_prompts, token_pieces
+from .openai_raylens import parse_extension
 from .openai_text import ChoiceText
 from .service import Service
 
@@ -67,6 +68,9 @@ class CompletionCall:
     def __init__(self, service: Service, body: CompletionRequest) -> None:
         self.service, self.body = service, body
         self.mods = resolve_model(service, body.model)
+        self.ext = parse_extension(service, (body.model_extra or {}).get("raylens"))
+        if self.ext is not None:
+            self.mods = self.mods + self.ext.mods()
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         if body.suffix:
@@ -127,7 +131,8 @@ class CompletionCall:
         return choices
 
     def new_text(self) -> ChoiceText:
-        return ChoiceText(self.service.tokenizer, self.stops, keep_samples=self.want_logprobs)
+        return ChoiceText(self.service.tokenizer, self.stops,
+                          keep_samples=self.want_logprobs or (self.ext is not None and self.ext.keeps_samples))
 
     # ------------------------------------------------------------------------------ pieces
 
@@ -201,7 +206,10 @@ class CompletionCall:
             lp = self._prompt_logprobs(p)
             logprobs = (self._add_samples(lp, text) if generated == text.text()
                         else self._add_replaced(lp, text, result))
-        return self._choice(choice.index, self._echo(p) + generated, finish, logprobs), text.completion_tokens(result)
+        found = await self.ext.choice_extra(self.service, text, result) if self.ext is not None else {}
+        extra = {"raylens": found} if found else {}
+        return (self._choice(choice.index, self._echo(p) + generated, finish, logprobs, **extra),
+                text.completion_tokens(result))
 
     async def complete(self, choices: list[Choice]) -> dict[str, Any]:
         if self.scoring_only:
@@ -223,13 +231,15 @@ class CompletionCall:
                     streamed = min(streamed, len(text.samples))
                     yield chunk("", None, None, removed=value)
                     continue
-                logprobs = None
+                logprobs, extra = None, {}
                 if self.want_logprobs:
                     offset = base + len("".join(text.pieces[:streamed]))
                     logprobs = self._add_samples(LegacyLogprobs(self.service.tokenizer.decode, self.k, offset=offset),
                                                  text, streamed)
-                    streamed = len(text.samples)
-                yield chunk(value, None, logprobs)
+                if self.ext is not None and self.ext.sae_features:
+                    extra["raylens"] = {"sae_features": self.ext.token_features(text, streamed)}
+                streamed = len(text.samples)
+                yield chunk(value, None, logprobs, **extra)
             result = await stream.result()
             finish, generated = self.finish(text, result)
             if generated != text.text():
@@ -239,7 +249,10 @@ class CompletionCall:
                                                text, result) if self.want_logprobs else None)
                 yield chunk(generated, None, replaced)
             ended.append(text.completion_tokens(result))
-            yield chunk("", finish, None)
+            extra = {}
+            if self.ext is not None and self.ext.capture_names:
+                extra["raylens"] = {"captures": await self.ext.captures(self.service, text, result)}
+            yield chunk("", finish, None, **extra)
         finally:
             stream.cancel()
 

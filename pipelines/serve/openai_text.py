@@ -19,14 +19,17 @@ __all__ = ["Sample", "ChoiceText"]
 
 @dataclass(frozen=True)
 class Sample:
-    """One visible token: its id, the text it added, its log-prob (None for a forced token) and
-    its best alternatives ``((id, logprob), ...)`` when they were asked for."""
+    """One visible token: its id, the text it added, its log-prob (None for a forced token), its
+    best alternatives ``((id, logprob), ...)`` when they were asked for, and the event that
+    committed it (``first_of_event``: the token sampled at that event's position; a forced chunk's
+    later tokens share its event)."""
 
     token_id: int
     piece: str
     logprob: float | None
     top: tuple[tuple[int, float], ...]
     event: TokenEvent | None = None
+    first_of_event: bool = True
 
 
 class ChoiceText:
@@ -59,7 +62,7 @@ class ChoiceText:
             if self.keep_samples:
                 lp = event.logprobs[i] if i < len(event.logprobs) else None
                 top = event.top_logprobs[i] if event.top_logprobs is not None and i < len(event.top_logprobs) else ()
-                self.samples.append(Sample(int(token_id), piece, lp, tuple(top), event))
+                self.samples.append(Sample(int(token_id), piece, lp, tuple(top), event, i == 0))
             out.append(piece)
         return out
 

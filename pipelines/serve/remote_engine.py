@@ -168,6 +168,10 @@ class RemoteEngine:
         """``Engine.score`` run by the actor (one fresh forward beside its step loop)."""
         return self._call("score", list(input_ids), top_k)
 
+    def capture(self, *, input_ids: Sequence[int], names: Sequence[str]) -> dict[str, Any]:
+        """``Engine.capture`` of ``input_ids`` run by the actor: ``{name: float32 numpy array}``."""
+        return self._call("capture", [int(t) for t in input_ids], list(names))
+
     def embed_tokens(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None,
                      pool: str = "mean") -> Any:
         """``Engine.embed_tokens`` run by the actor."""
