@@ -32,7 +32,8 @@ from engine.errors import InvalidRequestError
 
 from .errors import ApiError, ErrorCode, api_error_from
 from .openai_choices import Choice, interleave, open_choices, seeded
-from .openai_common import SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, resolve_model, service_of, sse
+from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, refuse_unsupported,
+                            resolve_model, service_of, sse)
 from .openai_legacy import LegacyLogprobs
 from .openai_models import ERRORS, MAX_PROMPTS, CompletionRequest
 from .openai_prompts import parse_prompts, token_pieces
@@ -79,6 +80,7 @@ class CompletionCall:
             raise _refuse("best_of", f"null or equal to n ({body.n}): choices are not ranked on the server; ask "
                                      f"for n choices and rank them yourself", body.best_of)
         extra = body.model_extra or {}
+        refuse_unsupported(extra)
         for name in NOT_WIRED:
             if extra.get(name) not in (None, {}, 0):
                 raise _refuse(name, "null on /v1/completions (not supported here yet)", extra[name])
@@ -95,7 +97,8 @@ class CompletionCall:
         self.k = body.logprobs or 0
         try:  # checked even when only scoring: every field must be valid
             self.requests = [GenerationRequest(
-                input_ids=tuple(p.ids), mods=tuple(self.mods), max_tokens=None if self.scoring_only else body.max_tokens,
+                input_ids=tuple(p.ids), mods=tuple(self.mods),
+                max_tokens=None if self.scoring_only else body.max_tokens,
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                 ignore_eos=body.ignore_eos, repetition_penalty=body.repetition_penalty, top_logprobs=body.logprobs,
                 max_tokens_cap=service.settings.max_new_tokens) for p in self.prompts]

@@ -67,6 +67,7 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+    ignore_eos: bool | None = Field(None, strict=True, description="true: EOS does not end the answer")
 
 
 class ModPayload(BaseModel):

@@ -216,6 +216,15 @@ def test_bad_fields_are_400_naming_the_field(server, model_id, fields, param):
     assert control.status_code == 200
 
 
+def test_ignore_eos_runs_to_max_tokens(client, engine, model_id):
+    messages = [{"role": "user", "content": "Hi!"}]
+    natural = client.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0)
+    assert natural.choices[0].finish_reason == "stop"  # control: it ends at EOS on its own
+    forced = client.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 24
+
+
 def test_health_and_version_still_answer(server):
     import httpx
 

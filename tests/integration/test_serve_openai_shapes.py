@@ -203,6 +203,9 @@ def test_embeddings_validate(server, model_id):
     ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, 400, "suffix"),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, 400, "best_of"),
     ("/v1/embeddings", {"input": "x", "dimensions": 2}, 400, "dimensions"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "audio": {"voice": "alloy"}}, 400, "audio"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ("/v1/completions", {"prompt": PROMPT, "functions": [{"name": "f"}]}, 400, "functions"),
 ])
 def test_error_bodies_are_openai_errors(server, model_id, path, body, status, param):
     from openai.types import ErrorObject
