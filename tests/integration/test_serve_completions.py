@@ -80,6 +80,19 @@ def test_echo_logprobs_equal_an_independent_forward(client, engine, model_id):
     assert [PROMPT[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
 
 
+def test_echoed_tokens_of_multibyte_text_concatenate_to_it(client, engine, model_id):
+    text = "Café ☕ naïve 日本語 — ok"
+    ids = engine.tokenizer(text)["input_ids"]
+    assert len(ids) > len(text.split())  # control: characters here span several byte-level tokens
+    for prompt in (text, ids):
+        (choice,) = client.completions.create(model=model_id, prompt=prompt, max_tokens=0, echo=True,
+                                              logprobs=0).choices
+        assert choice.text == text and "".join(choice.logprobs.tokens) == text
+        assert len(choice.logprobs.tokens) == len(ids)
+        assert [text[o:o + len(t)] for o, t in zip(choice.logprobs.text_offset, choice.logprobs.tokens)] \
+            == choice.logprobs.tokens
+
+
 def test_token_id_prompt_scores_like_the_text(client, engine, model_id):
     ids = engine.tokenizer(PROMPT)["input_ids"]
     by_text = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
