@@ -67,7 +67,7 @@ class ChatCall:
         self.service, self.body = service, body
         self.mods = resolve_model(service, body.model)
         refuse_unsupported(body.model_extra)
-        self.ext = parse_extension(service, (body.model_extra or {}).get("raylens"))
+        self.ext = parse_extension(service, body.raylens)
         if self.ext is not None:
             self.mods = self.mods + self.ext.mods()
         self.id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -69,7 +69,7 @@ class CompletionCall:
     def __init__(self, service: Service, body: CompletionRequest) -> None:
         self.service, self.body = service, body
         self.mods = resolve_model(service, body.model)
-        self.ext = parse_extension(service, (body.model_extra or {}).get("raylens"))
+        self.ext = parse_extension(service, body.raylens)
         if self.ext is not None:
             self.mods = self.mods + self.ext.mods()
         self.id = f"cmpl-{uuid.uuid4().hex}"

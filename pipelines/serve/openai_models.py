@@ -68,6 +68,8 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
     ignore_eos: bool | None = Field(None, strict=True, description="true: EOS does not end the answer")
+    raylens: dict[str, Any] | None = Field(None, description="extension: {steer, sae_features, capture}; each off "
+                                                             "unless asked (see docs/openai-server.md)")
 
 
 class ModPayload(BaseModel):
@@ -105,6 +107,8 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+    raylens: dict[str, Any] | None = Field(None, description="extension: {steer, sae_features, capture}; each off "
+                                                             "unless asked (see docs/openai-server.md)")
 
 
 #: the most inputs one embeddings request may hold
