@@ -45,6 +45,8 @@ __all__ = ["router", "CompletionCall", "NOT_WIRED"]
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
+#: ``max_tokens`` when the body leaves it out or null (OpenAI's default), capped by the server's limit
+DEFAULT_MAX_TOKENS = 16
 #: request fields the engine does not take on this route yet: refused when set (never ignored)
 NOT_WIRED = ("logit_bias", "min_tokens", "response_format")
 
@@ -90,7 +92,9 @@ class CompletionCall:
         self.n = body.n
         if len(self.prompts) * self.n > MAX_PROMPTS:
             raise _refuse("n", f"at most {MAX_PROMPTS} choices in all (prompts times n)", body.n)
-        self.scoring_only = body.max_tokens == 0
+        max_tokens = body.max_tokens if body.max_tokens is not None else min(
+            DEFAULT_MAX_TOKENS, service.settings.max_new_tokens)
+        self.scoring_only = max_tokens == 0
         if self.scoring_only and not body.echo:
             raise _refuse("max_tokens", ">= 1, or 0 with `echo: true` (score the prompt, generate nothing)", 0)
         self.want_logprobs = body.logprobs is not None
@@ -98,7 +102,7 @@ class CompletionCall:
         try:  # checked even when only scoring: every field must be valid
             self.requests = [GenerationRequest(
                 input_ids=tuple(p.ids), mods=tuple(self.mods),
-                max_tokens=None if self.scoring_only else body.max_tokens,
+                max_tokens=None if self.scoring_only else max_tokens,
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                 ignore_eos=body.ignore_eos, repetition_penalty=body.repetition_penalty, top_logprobs=body.logprobs,
                 max_tokens_cap=service.settings.max_new_tokens) for p in self.prompts]
