@@ -35,7 +35,7 @@ from .openai_choices import Choice, interleave, open_choices, seeded
 from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, refuse_unsupported,
                             resolve_model, service_of, sse)
 from .openai_legacy import LegacyLogprobs
-from .openai_models import ERRORS, MAX_PROMPTS, CompletionRequest
+from .openai_models import ERRORS, MAX_TOTAL_CHOICES, CompletionRequest
 from .openai_prompts import parse_prompts, token_pieces
 from .openai_raylens import parse_extension
 from .openai_text import ChoiceText
@@ -90,8 +90,8 @@ class CompletionCall:
         self.include_usage = include_usage(body.stream_options, body.stream)
         self.prompts = parse_prompts(service, body.prompt)
         self.n = body.n
-        if len(self.prompts) * self.n > MAX_PROMPTS:
-            raise _refuse("n", f"at most {MAX_PROMPTS} choices in all (prompts times n)", body.n)
+        if len(self.prompts) * self.n > MAX_TOTAL_CHOICES:
+            raise _refuse("n", f"at most {MAX_TOTAL_CHOICES} choices in all (prompts times n)", body.n)
         max_tokens = body.max_tokens if body.max_tokens is not None else min(
             DEFAULT_MAX_TOKENS, service.settings.max_new_tokens)
         self.scoring_only = max_tokens == 0
@@ -109,7 +109,7 @@ class CompletionCall:
         except InvalidRequestError as err:
             raise api_error_from(err) from None
         self.scores: list[Any] = []
-        self.prompt_pieces = [token_pieces(service.tokenizer, p.ids) for p in self.prompts] if (
+        self.prompt_pieces = [p.pieces(service.tokenizer) for p in self.prompts] if (
             body.echo and self.want_logprobs) else []
 
     async def score_prompts(self) -> None:

@@ -13,13 +13,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "ModPayload",
-           "MAX_CHOICES", "MAX_PROMPTS", "MAX_LEGACY_LOGPROBS"]
+           "MAX_CHOICES", "MAX_PROMPTS", "MAX_TOTAL_CHOICES", "MAX_LEGACY_LOGPROBS"]
 
 
 #: the most choices one request may ask for (``n``; on completions, ``n`` times the prompts)
 MAX_CHOICES = 16
 #: the most prompts one completions request may hold
 MAX_PROMPTS = 64
+#: the most choices one completions request may ask for in all (prompts times ``n``)
+MAX_TOTAL_CHOICES = 64
 #: OpenAI's bound on legacy completions' ``logprobs``
 MAX_LEGACY_LOGPROBS = 5
 

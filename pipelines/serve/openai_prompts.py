@@ -24,10 +24,16 @@ _PARTIAL = "\ufffd"  # what decoding shows for the bytes of a character not yet 
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its token ids and the text an ``echo`` shows (the given text, or the ids decoded)."""
+    """One prompt: its token ids, the text an ``echo`` shows (the given text, or the ids decoded),
+    and how many of the ids the tokenizer added in front of a given text (a BOS: no text of its own)."""
 
     ids: list[int]
     text: str
+    added: int = 0
+
+    def pieces(self, tokenizer: Any) -> list[str]:
+        """The text each token adds: they concatenate to :attr:`text`."""
+        return [""] * self.added + token_pieces(tokenizer, self.ids[self.added:])
 
 
 def _is_ids(value: Any) -> bool:
@@ -51,7 +57,9 @@ def parse_prompts(service: Service, prompt: Any) -> list[Prompt]:
             ids = list(service.tokenizer(item)["input_ids"]) if item else []
             if not ids:
                 raise ApiError(ErrorCode.INVALID_REQUEST, f"`{name}` must be {_SHAPE}, got {item!r}.", name)
-            out.append(Prompt(ids, item))
+            plain = list(service.tokenizer(item, add_special_tokens=False)["input_ids"])
+            added = len(ids) - len(plain) if plain and ids[len(ids) - len(plain):] == plain else 0
+            out.append(Prompt(ids, item, added))
         else:
             service.check_token_ids(item, name)
             out.append(Prompt(list(item), "".join(token_pieces(service.tokenizer, item))))
