@@ -45,15 +45,16 @@ class GrammarState:
 
     @property
     def ended(self) -> bool:
-        """The grammar's end token was accepted (and nothing after it): the output is complete."""
+        """The output is complete: the grammar took its end token, or nothing can follow what it
+        took (and no off-grammar token came after)."""
         return self.detached == 0 and bool(self.matcher.is_stopped()) and not self.matcher.is_error()
 
     def mask(self, *, hold_end: bool = False) -> torch.Tensor:
         """The next token's allowed set. ``hold_end`` (``min_tokens`` not reached): the end token is
         left out, unless it is the only token allowed (the grammar decides when its output ends)."""
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        # what llguidance.torch.fill_next_token_bitmask does, without importing that module (it
+        # compiles a torch kernel at import, which the sampler's own unpacking makes unneeded)
+        self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
         if self.matcher.is_error():
             raise RuntimeError(f"the grammar of `{self.spec.parameter}` failed: {self.error()}")
         row = self.bitmask[0]
