@@ -187,7 +187,8 @@ def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
     allowed: dict[int, torch.Tensor] = {}
     if masked:  # every grammar row's mask unpacked in one batch: (M, W) int32 -> (M, V) bool
         device, vocab = rows[masked[0]].logits.device, rows[masked[0]].logits.shape[-1]
-        unpacked = unpack_mask(torch.stack([rows[i].mask.reshape(-1) for i in masked]).to(device), vocab)  # type: ignore[union-attr]
+        packed = torch.stack([rows[i].mask.reshape(-1) for i in masked])  # type: ignore[union-attr]
+        unpacked = unpack_mask(packed.to(device), vocab)
         allowed = {i: unpacked[j] for j, i in enumerate(masked)}
     for i, row in enumerate(rows):
         if chosen[i] is not None:

@@ -260,3 +260,26 @@ def test_what_cannot_be_enforced_is_refused_naming_it_before_anything_runs(engin
         engine.generate(prompt=PROMPT, tool_choice="required", tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object", "not": {"required": ["x"]}}}}])
     assert engine.loop.stats.steps == steps
+
+
+def test_the_structured_bench_reports_both_sides_and_the_grammars_share(engine):
+    from pipelines.bench.structured_outputs import format_structured, run_structured_bench
+
+    report = run_structured_bench(engine, concurrency=(2,), new_tokens=4, repeats=1)
+    [row] = report["rows"]
+    assert row["concurrency"] == 2 and row["free_tok_s"] > 0 and row["json_schema_tok_s"] > 0
+    assert report["grammar_host_ms_per_token"] > 0 and 0 < row["grammar_share_of_free_step"]
+    assert "| json_schema / free |" in format_structured(report)
+
+
+def test_the_grammar_library_bench_sorts_every_feature(engine):
+    pytest.importorskip("xgrammar")
+    from pipelines.bench.grammar_libraries import FEATURES, SCHEMAS, run_grammar_library_bench
+
+    info = engine.backend.info
+    xgr, llg = run_grammar_library_bench(engine.tokenizer, info.vocab_size, sorted(info.eos_token_ids))
+    for result in (xgr, llg):
+        assert set(result.compile_ms) == set(SCHEMAS) and set(result.features) == set(FEATURES)
+        assert all(v > 0 for v in result.mask_us_per_step.values())
+        assert result.features["minLength/maxLength"] == "enforced"  # positive control of the probe
+    assert llg.features["uniqueItems"].startswith("refused") and "uniqueItems" in llg.features["uniqueItems"]

@@ -54,8 +54,10 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, *, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
+        ends = {int(t) for t in eos_token_ids}
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos = int(eos) if eos is not None and eos in set(eos_token_ids) else min(int(t) for t in eos_token_ids)
+        # the grammar's end token: the tokenizer's EOS when the model stops on it, else the model's first
+        self.eos: int | None = int(eos) if eos is not None and (eos in ends or not ends) else min(ends, default=None)
         self._tokenizer: Any = None
         self._cache: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -69,6 +71,9 @@ class GrammarCompiler:
         return self._tokenizer
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        if self.eos is None:
+            raise InvalidRequestError(f"`{spec.parameter}` must be left out for this model: structured outputs need "
+                                      "an end-of-sequence token and its tokenizer has none", parameter=spec.parameter)
         key = (spec.kind, spec.source)
         with self._lock:
             grammar = self._cache.get(key)
@@ -80,7 +85,7 @@ class GrammarCompiler:
                 self._cache[key] = grammar
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return CompiledGrammar(spec, grammar, self.eos, self.vocab_size, self.tokenizer)
+        return CompiledGrammar(spec, grammar, self.eos, self.vocab_size, self.tokenizer)  # type: ignore[arg-type]
 
     def _build(self, spec: GrammarSpec) -> str:
         """The llguidance grammar of ``spec``, checked against the tokenizer."""
