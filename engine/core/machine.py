@@ -20,6 +20,11 @@ above this class: its chunks' internals are joined into the one output an unspli
 causal attention never reaches), and that whole output is what Prefilled, ForwardPass and the SAE
 hand-off see.
 
+A structured request (``response_format``, an enforced ``tool_choice``) has a grammar state
+(``engine/core/structured``): each sampling step hands its token mask to the sampler, every
+committed token advances it and every erased one rolls it back (``RequestState.append``/``erase``),
+and the step it completes ends the request (a tool choice's output becomes its tool call).
+
 Announcing a step's sample (Sampled, the stream's token, Added) has one path. When no mod can act
 on it and nothing must be read from the device for it, the machine may hold the announcements
 (``overlap``) until :meth:`flush`, which the loop calls right after the next forward is launched —
