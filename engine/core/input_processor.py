@@ -1,8 +1,9 @@
 """The one place a :class:`~engine.core.inputs.GenerationRequest` becomes the step loop's
 :class:`~engine.core.request.EngineRequest`: the prompt's token ids (chat template applied), the
 token-id checks against the vocabulary, the context rule, the stop set and every default from the
-config's ``generation`` section. Those rules live here and nowhere else; nothing downstream
-re-validates."""
+config's ``generation`` section, and a structured request's grammar compiled (a schema it cannot
+enforce is refused here, before anything runs). Those rules live here and nowhere else; nothing
+downstream re-validates."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any, Callable, Sequence
 from engine.config import GenerationConfig
 from engine.core.inputs import GENERATION_FIELDS, GenerationRequest
 from engine.core.request import EngineRequest
-from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
+from engine.core.structured import GrammarCompiler, grammar_spec
+from engine.errors import ContextOverflowError, InvalidRequestError, TokenOutOfVocabularyError, check_request_token_ids
 from engine.model.sampling import SamplingParams
 
 __all__ = ["InputProcessor"]
@@ -34,6 +36,7 @@ class InputProcessor:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.defaults = defaults
         self._load_mods = load_mods
+        self.grammars = GrammarCompiler(tokenizer, vocab_size=vocab_size, eos_token_ids=sorted(self.eos_token_ids))
 
     def encode(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: ``input_ids`` as given, else the chat template applied."""
@@ -69,6 +72,17 @@ class InputProcessor:
             raise InvalidRequestError(f"`banned_tokens` must leave at least one token to sample, got all "
                                       f"{self.vocab_size} of the vocabulary", parameter="banned_tokens",
                                       value=len(banned))
+        bias = request.logit_bias or {}
+        outside = [t for t in bias if t >= self.vocab_size]
+        if outside:
+            raise TokenOutOfVocabularyError(f"`logit_bias` keys must be token ids < {self.vocab_size} (the "
+                                            f"vocabulary), got {outside[0]}", parameter="logit_bias",
+                                            value=outside[0])
+        if request.min_tokens and request.min_tokens > gen.max_tokens:
+            raise InvalidRequestError(f"`min_tokens` must be <= max_tokens ({gen.max_tokens}), got "
+                                      f"{request.min_tokens}", parameter="min_tokens", value=request.min_tokens)
+        spec = grammar_spec(request.response_format, request.tool_choice, request.tools)
+        grammar = self.grammars.compile(spec) if spec is not None else None
         ids = self.encode(request)
         if len(ids) >= self.limit:
             raise ContextOverflowError(f"the prompt must be shorter than {self.limit} tokens (the model's context "
@@ -79,8 +93,11 @@ class InputProcessor:
         return EngineRequest(
             request_id=request.request_id if request.request_id is not None else str(uuid.uuid4()),
             input_ids=tuple(ids), max_tokens=gen.max_tokens,
-            sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k, banned, penalty),
+            sampling=SamplingParams(gen.temperature, gen.top_p, gen.top_k, banned, penalty,
+                                    tuple(sorted(bias.items())), float(request.presence_penalty or 0.0),
+                                    float(request.frequency_penalty or 0.0)),
             stop_ids=self.stop_ids(gen), step_limit=gen.effective_step_limit, seed=gen.seed,
             logprobs=request.logprobs, attention_all_layers=request.attention == "all",
             mods=mods, mod_call_timeout_s=gen.mod_call_timeout_s or None, source=request,
+            min_tokens=request.min_tokens or 0, grammar=grammar,
         )

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
 from engine.config import GenerationConfig, check_request_id
+from engine.core.structured.spec import TOOL_CHOICES
 from engine.errors import ConfigError, InvalidRequestError, TokenOutOfVocabularyError
 
 __all__ = ["GenerationRequest", "MAX_TOP_LOGPROBS", "as_request"]
@@ -78,7 +79,7 @@ def _check_tools(tools: Sequence[Mapping[str, Any]]) -> None:
                                       value=function["parameters"])
 
 
-_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
 
 
 def _check_response_format(response_format: Any) -> None:
@@ -101,6 +102,65 @@ def _check_response_format(response_format: Any) -> None:
             raise InvalidRequestError(f"`response_format.json_schema.schema` must be a JSON-schema object, got "
                                       f"{spec['schema']!r}"[:300], parameter="response_format.json_schema.schema",
                                       value=spec["schema"])
+    if kind in ("regex", "grammar"):  # raylens extensions: {"type": "regex", "regex": "..."} and the like
+        text = response_format.get(kind)
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"`response_format.{kind}` must be a non-empty string (response_format "
+                                      f"{{\"type\": \"{kind}\", \"{kind}\": \"...\"}}), got {text!r}"[:300],
+                                      parameter=f"response_format.{kind}", value=text)
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token id (an int, or its decimal string as JSON sends it) -> a bias
+    in [-100, 100]; the vocabulary's bound is the processor's."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise InvalidRequestError(f"`logit_bias` must be an object of token id -> bias, got {bias!r}"[:300],
+                                  parameter="logit_bias", value=bias)
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key if type(key) is int else int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if token is None or token < 0:
+            raise InvalidRequestError(f"`logit_bias` keys must be token ids (ints >= 0 or their decimal strings), "
+                                      f"got {key!r}", parameter="logit_bias", value=key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise InvalidRequestError(f"`logit_bias[{token}]` must be a number in [-100, 100], got {value!r}",
+                                      parameter=f"logit_bias[{token}]", value=value)
+        out[token] = float(value)
+    return out
+
+
+def _penalty(value: Any, name: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not -2.0 <= value <= 2.0):
+        raise InvalidRequestError(f"`{name}` must be a number in [-2, 2] (0 is off), got {value!r}",
+                                  parameter=name, value=value)
+
+
+def _check_tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]] | None) -> None:
+    """OpenAI's ``tool_choice``: ``none``, ``auto``, ``required`` or ``{"type": "function",
+    "function": {"name": ...}}``; the last two need ``tools`` (and the named one among them)."""
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICES:
+            raise InvalidRequestError(f"`tool_choice` must be one of {', '.join(TOOL_CHOICES)} or {{\"type\": "
+                                      f"\"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}",
+                                      parameter="tool_choice", value=choice)
+        if choice == "required" and not tools:
+            raise InvalidRequestError("`tool_choice` must not be 'required' without `tools`, got no tools; pass "
+                                      "the tools it may call", parameter="tool_choice", value=choice)
+        return
+    function = choice.get("function") if isinstance(choice, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(choice, Mapping) or choice.get("type") != "function" or not isinstance(name, str):
+        raise InvalidRequestError(f"`tool_choice` must be none, auto, required or {{\"type\": \"function\", "
+                                  f"\"function\": {{\"name\": ...}}}}, got {choice!r}"[:300],
+                                  parameter="tool_choice", value=choice)
+    names = [t["function"]["name"] for t in tools or ()]
+    if name not in names:
+        given = ", ".join(names) or "none given"
+        raise InvalidRequestError(f"`tool_choice.function.name` must name one of `tools` ({given}), got {name!r}",
+                                  parameter="tool_choice.function.name", value=name)
 
 
 @dataclass(frozen=True)
@@ -111,6 +171,16 @@ class GenerationRequest:
     ``mods``: callables, ``.py`` paths (``path.py:function`` picks one) or payload dicts, called in
     order. ``tools``/``response_format``: OpenAI shapes, read by mods through the conversation
     API. ``banned_tokens``: ids never sampled. ``repetition_penalty``: > 0, 1.0 is off.
+    ``logit_bias``: token id -> bias in [-100, 100] added to its logit (string keys, as JSON sends
+    them, are read as ids). ``min_tokens``: stop tokens are not drawn before that many tokens were
+    generated (the grammar of a structured request still ends it where it must).
+    ``presence_penalty``/``frequency_penalty``: OpenAI's, in [-2, 2], over the generated tokens.
+    ``response_format``: ``text``, ``json_object``, ``json_schema`` and the raylens extensions
+    ``{"type": "regex", "regex": ...}`` and ``{"type": "grammar", "grammar": <Lark>}``, enforced by
+    a token mask (``docs/structured-outputs.md``). ``tool_choice``: ``none``/``auto`` (free text; a
+    mod may still call tools), ``required`` or ``{"type": "function", "function": {"name": ...}}``
+    (the output is one tool call, enforced, finish reason ``tool_calls``).
+    ``parallel_tool_calls``: accepted either way; an enforced tool choice generates exactly one call.
     ``top_logprobs``: None no log-probs, 0 each token's, k ≤ 20 also its k best alternatives.
     ``attention="all"``: each streamed token carries every layer's newest attention row.
     ``max_tokens_cap``: a server's limit on ``max_tokens`` (its default is the config's, capped).
@@ -131,6 +201,12 @@ class GenerationRequest:
     ignore_eos: bool | None = None
     banned_tokens: tuple[int, ...] = ()
     repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     top_logprobs: int | None = None
     attention: Literal["all"] | None = None
     request_id: str | None = None
@@ -159,6 +235,21 @@ class GenerationRequest:
             _check_tools(self.tools)
         if self.response_format is not None:
             _check_response_format(self.response_format)
+        if self.tool_choice is not None:
+            _check_tool_choice(self.tool_choice, self.tools)
+        if self.parallel_tool_calls is not None and not isinstance(self.parallel_tool_calls, bool):
+            raise InvalidRequestError(f"`parallel_tool_calls` must be true or false, got {self.parallel_tool_calls!r}",
+                                      parameter="parallel_tool_calls", value=self.parallel_tool_calls)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        _penalty(self.presence_penalty, "presence_penalty")
+        _penalty(self.frequency_penalty, "frequency_penalty")
+        mt = self.min_tokens
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
+            raise InvalidRequestError(f"`min_tokens` must be an integer >= 0, got {mt!r}", parameter="min_tokens",
+                                      value=mt)
+        if mt is not None and isinstance(self.max_tokens, int) and mt > self.max_tokens:
+            raise InvalidRequestError(f"`min_tokens` must be <= max_tokens ({self.max_tokens}), got {mt}",
+                                      parameter="min_tokens", value=mt)
         mods = self.mods if self.mods is not None else ()
         if isinstance(mods, (str, bytes, Mapping)) or callable(mods) or not isinstance(mods, Sequence):
             mods = (mods,)

@@ -20,6 +20,11 @@ above this class: its chunks' internals are joined into the one output an unspli
 causal attention never reaches), and that whole output is what Prefilled, ForwardPass and the SAE
 hand-off see.
 
+A structured request (``response_format``, an enforced ``tool_choice``) has a grammar state
+(``engine/core/structured``): each sampling step hands its token mask to the sampler, every
+committed token advances it and every erased one rolls it back (``RequestState.append``/``erase``),
+and the step it completes ends the request (a tool choice's output becomes its tool call).
+
 Announcing a step's sample (Sampled, the stream's token, Added) has one path. When no mod can act
 on it and nothing must be read from the device for it, the machine may hold the announcements
 (``overlap``) until :meth:`flush`, which the loop calls right after the next forward is launched —
@@ -61,6 +66,8 @@ class RequestMachine:
         self._newest: tuple[Any, np.ndarray, np.ndarray] | None = None  # the newest row's SAE top-k on the host
         self._outbox: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
         self._mod_free = not state.manager.mods
+        if state.request.grammar is not None and state.grammar is None:  # structured output: its matcher
+            state.grammar = state.request.grammar.new_state()
         # the two plans a row is fed with, built once: a prompt's rows all, later feeds the newest
         self._plans = (state.plan.with_all_query_rows(False), state.plan.with_all_query_rows(True))
 
@@ -182,13 +189,25 @@ class RequestMachine:
         if state.finish is not None:
             return None
         if not plan.backtracked and not state.forced_queue:
-            params = plan.sampling or state.request.sampling
-            return SampleRow(plan.logits if plan.logits is not None else state.output.logits,  # type: ignore
-                             params, state.generator, state.tokens if params.needs_history else None,
-                             state.request.logprobs)
+            return self._sample_row(plan)
         self._add_step_tokens(plan, None)
         self._end_step()
         return None
+
+    def _sample_row(self, plan: StepPlan) -> SampleRow:
+        """What this step samples from: the (possibly adjusted) logits, the sampling values, and
+        what changes per step — stop tokens held back before ``min_tokens``, the grammar's mask
+        (which holds back its end token instead, unless the end is all it allows)."""
+        state, request = self.state, self.state.request
+        params = plan.sampling or request.sampling
+        early = len(state.generated) < request.min_tokens
+        grammar = state.grammar
+        mask = grammar.mask(hold_end=early) if grammar is not None and grammar.attached else None
+        suppress = tuple(request.stop_ids) if early and mask is None else ()
+        return SampleRow(plan.logits if plan.logits is not None else state.output.logits,  # type: ignore
+                         params, state.generator, state.tokens if params.needs_history else None,
+                         request.logprobs, list(state.generated) if params.needs_generated else None,
+                         suppress, mask)
 
     def on_sample(self, sample: SampleResult | None) -> bool:
         """Sampled and its actions, the step's tokens added and announced, stop checks. ``None``:
@@ -240,9 +259,12 @@ class RequestMachine:
             features = self._features(newest_only=True)
             if state.request.attention_all_layers:
                 attention = _attention_rows(state.output)  # type: ignore[arg-type]
-        state.append(tokens, sample)
-        self._announce(state.stream.committed if state.stream is not None else None,
-                       (tokens, forced, sample, attention, features))
+        tokens = list(state.append(tokens, sample))
+        if tokens:
+            self._announce(state.stream.committed if state.stream is not None else None,
+                           (tokens, forced, sample, attention, features))
+        if state.finish is not None:  # a sample the grammar refused: the request ended
+            return
         self.actions.apply_added_actions(self._dispatch(Added(state.request_id, state.step, list(tokens), forced)))
 
     def _commit_silently(self, tokens: list[int]) -> None:
@@ -252,7 +274,9 @@ class RequestMachine:
     def _end_step(self) -> None:
         state, request = self.state, self.state.request
         if state.finish is None:
-            if state.step_committed and any(t in request.stop_ids for t in state.step_committed):
+            if state.grammar is not None and state.grammar.ended:
+                self._finish_structured()
+            elif state.step_committed and any(t in request.stop_ids for t in state.step_committed):
                 state.finish = FinishReason.STOP
             elif len(state.generated) >= state.max_tokens:
                 state.finish = FinishReason.LENGTH
@@ -261,6 +285,15 @@ class RequestMachine:
             elif state.step + 1 >= request.step_limit:
                 state.finish = FinishReason.LENGTH
         state.step += 1
+
+    def _finish_structured(self) -> None:
+        """The grammar took its end token: the output is complete. An enforced tool choice's
+        output becomes the request's tool call, as a mod's ToolCalls would report it."""
+        state = self.state
+        if state.grammar.spec.is_tool_call:
+            state.tool_calls, state.finish = [state.grammar.tool_call(state.generated)], FinishReason.TOOL_CALLS
+        else:
+            state.finish = FinishReason.STOP
 
     # -------------------------------------------------------------------------------- events
 

@@ -37,11 +37,14 @@ class EngineRequest:
     mods: tuple[Callable[..., Any], ...] = ()  # loaded, in call order
     mod_call_timeout_s: float | None = None
     source: Any = field(default=None, repr=False, compare=False)
+    min_tokens: int = 0  # stop tokens are not drawn before this many tokens were generated
+    grammar: Any = field(default=None, repr=False, compare=False)  # a CompiledGrammar: structured output
 
     def portable(self) -> "EngineRequest":
         """This request for another process (a Serve replica reading a GeneratorActor's stream):
-        the same type without its loaded mods, which belong to the engine that loaded them."""
-        return replace(self, mods=(), source=None)
+        the same type without its loaded mods and compiled grammar, which belong to the engine
+        that built them."""
+        return replace(self, mods=(), source=None, grammar=None)
 
 
 class HiddenSink(Protocol):
@@ -114,6 +117,8 @@ class RequestState:
     step_committed: list[int] = field(default_factory=list)
     prefill_ms: float = 0.0
     started_at: float = 0.0
+    # structured output: the request's GrammarState, kept in step with ``generated`` by append/erase
+    grammar: Any = None
 
     @property
     def request_id(self) -> str:
@@ -133,23 +138,38 @@ class RequestState:
 
     def commit(self, tokens: Sequence[int], *, forced: bool, sample: Any = None, attention: Any = None,
                sae_features: Any = None) -> None:
-        self.append(tokens, sample)
-        if self.stream is not None:
+        tokens = self.append(tokens, sample)
+        if self.stream is not None and tokens:
             self.stream.committed(tokens, forced, sample, attention, sae_features)
 
-    def append(self, tokens: Sequence[int], sample: Any = None) -> None:
-        """The tokens join the sequence, unannounced (the stream hears of them from ``commit``)."""
+    def append(self, tokens: Sequence[int], sample: Any = None) -> Sequence[int]:
+        """The tokens join the sequence, unannounced (the stream hears of them from ``commit``);
+        returns those that joined. With a grammar, the grammar takes them too: forced tokens it
+        rejects bypass it (``engine/core/structured/state.py``); a sampled token it rejects (its
+        mask left no finite logit, e.g. a mod's AdjustedLogits) does not join and ends the request."""
+        if self.grammar is not None and self.finish is None:
+            attached = self.grammar.attached
+            accepted = self.grammar.advance(tokens)
+            if sample is not None and attached and accepted < len(tokens):
+                self.grammar.rollback(len(tokens) - accepted)
+                self.fail(f"no token the request's `{self.grammar.spec.parameter}` allows had a finite logit at "
+                          f"generated token {len(self.generated)} (sampled {list(tokens)}); a mod's AdjustedLogits "
+                          "must leave one of them finite")
+                return []
         self.generated.extend(tokens)
         self.step_committed.extend(tokens)
-        if self.request.logprobs >= 0:
+        if self.request.logprobs >= 0 and tokens:
             first = sample.logprob if sample is not None else None
             self.logprobs.extend([first] + [None] * (len(tokens) - 1))
+        return tokens
 
     def erase(self, n: int) -> None:
         """Drop the newest ``n`` generated tokens: a position move. The last kept token is fed
         again if its keys/values were overwritten-to-be, so the next forward predicts after it."""
         if n <= 0:
             return
+        if self.grammar is not None:
+            self.grammar.rollback(n)
         del self.generated[len(self.generated) - n:]
         del self.logprobs[len(self.generated):]
         del self.step_committed[max(0, len(self.step_committed) - n):]

@@ -1,7 +1,9 @@
 """Choosing the next tokens: pure functions of logits, parameters and per-request generators.
 
-The filters are transformers' own processors (banned ids and repetition penalty, then temperature,
-top-k, top-p — the order ``generate`` applies them in). Randomness comes only from each request's
+The filters: banned ids, OpenAI's ``logit_bias`` and presence/frequency penalties (over the
+generated tokens), transformers' repetition penalty, the step's suppressed ids (stop tokens before
+``min_tokens``), a structured request's grammar mask, then transformers' temperature, top-k and
+top-p — so top-k/top-p choose among tokens the grammar allows. Randomness comes only from each request's
 ``torch.Generator``, never from the global RNG, so a seeded request draws the same tokens whatever
 else shares its batch.
 
@@ -22,19 +24,24 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "SampleRow", "SampleResult", "sample", "sample_rows", "make_generator"]
+__all__ = ["SamplingParams", "SampleRow", "SampleResult", "sample", "sample_rows", "make_generator", "unpack_mask"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """``temperature = 0``: greedy. ``top_k = 0`` / ``top_p = 1``: filter off. ``banned``: ids that
-    are never drawn. ``repetition_penalty``: transformers' rule (1.0 = off)."""
+    are never drawn. ``repetition_penalty``: transformers' rule (1.0 = off). ``logit_bias``:
+    ``(id, bias)`` pairs added to the logits. ``presence_penalty``/``frequency_penalty``: OpenAI's
+    rule over the generated tokens, ``logit[j] -= frequency * count[j] + presence * (count[j] > 0)``."""
 
     temperature: float
     top_p: float = 1.0
     top_k: int = 0
     banned: tuple[int, ...] = ()
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -43,6 +50,15 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         return self.repetition_penalty != 1.0
+
+    @property
+    def needs_generated(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Nothing changes the logits before temperature (the greedy fast path's condition)."""
+        return not (self.banned or self.logit_bias or self.needs_history or self.needs_generated)
 
 
 @functools.lru_cache(maxsize=256)
@@ -73,16 +89,41 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
-def _processed(scores: torch.Tensor, params: SamplingParams, history: Sequence[int] | None) -> torch.Tensor:
-    """``scores (1, V)`` float32 after banned ids and repetition penalty (a copy when changed)."""
+def unpack_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``(M, W)`` int32 packed bitmask -> ``(M, vocab)`` bool, True where the token is allowed
+    (bit ``t % 32`` of word ``t // 32``: the layout xgrammar and llguidance both fill)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (M, W, 32)
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def _processed(scores: torch.Tensor, params: SamplingParams, history: Sequence[int] | None,
+               row: "SampleRow | None" = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores (1, V)`` float32 after every filter before temperature (a copy when changed), then
+    the warpers unless greedy. ``allowed (V,)`` bool: the row's grammar mask, unpacked."""
     if params.banned:
         scores = scores.clone()
         scores[0, list(params.banned)] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=scores.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=scores.dtype, device=scores.device)
+        scores = scores.clone()
+        scores[0].index_add_(0, ids, bias)
+    generated = row.generated if row is not None else None
+    if params.needs_generated and generated:
+        counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long, device=scores.device),
+                                minlength=scores.shape[-1])[: scores.shape[-1]].to(scores.dtype)  # (V,)
+        scores = scores - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype))
     if params.needs_history and history:
         from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
         ids = torch.tensor([list(history)], dtype=torch.long, device=scores.device)
         scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores.clone())
+    if row is not None and row.suppress:
+        scores = scores.clone()
+        scores[0, list(row.suppress)] = float("-inf")
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[None, :], float("-inf"))
     if params.greedy:
         return scores
     return _warpers(params.temperature, params.top_k, params.top_p)(None, scores)
@@ -100,6 +141,15 @@ class SampleRow:
     generator: torch.Generator
     history: Sequence[int] | None = None  # the request's tokens so far (repetition penalty)
     logprobs: int = -1  # -1: none; 0: the chosen token's; k > 0: also the k most likely
+    generated: Sequence[int] | None = None  # the generated tokens so far (presence/frequency penalties)
+    suppress: tuple[int, ...] = ()  # ids not drawn this step (stop tokens before min_tokens)
+    mask: torch.Tensor | None = None  # (ceil(V/32),) int32 packed: the tokens a grammar allows next
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to apply: served by the batch's one argmax."""
+        return (self.params.greedy and self.params.plain and not self.suppress and self.mask is None
+                and self.logprobs < 0)
 
 
 @dataclass(frozen=True)
@@ -127,17 +177,23 @@ def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
     rows that ask are computed as one batch on the device)."""
     chosen: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
     scores: list[torch.Tensor | None] = [None] * len(rows)
-    plain_greedy = [i for i, r in enumerate(rows)
-                    if r.params.greedy and not r.params.banned and not r.params.needs_history and r.logprobs < 0]
+    plain_greedy = [i for i, r in enumerate(rows) if r.plain]
     if plain_greedy:
         stacked = torch.stack([rows[i].logits.reshape(-1) for i in plain_greedy])  # (G, V)
         ids = torch.argmax(stacked, dim=-1)
         for j, i in enumerate(plain_greedy):
             chosen[i] = ids[j]
+    masked = [i for i, r in enumerate(rows) if r.mask is not None]
+    allowed: dict[int, torch.Tensor] = {}
+    if masked:  # every grammar row's mask unpacked in one batch: (M, W) int32 -> (M, V) bool
+        device, vocab = rows[masked[0]].logits.device, rows[masked[0]].logits.shape[-1]
+        packed = torch.stack([rows[i].mask.reshape(-1) for i in masked])  # type: ignore[union-attr]
+        unpacked = unpack_mask(packed.to(device), vocab)
+        allowed = {i: unpacked[j] for j, i in enumerate(masked)}
     for i, row in enumerate(rows):
         if chosen[i] is not None:
             continue
-        s = _processed(row.logits.reshape(1, -1).float(), row.params, row.history)  # (1, V)
+        s = _processed(row.logits.reshape(1, -1).float(), row.params, row.history, row, allowed.get(i))  # (1, V)
         scores[i] = s
         if row.params.greedy:
             chosen[i] = torch.argmax(s, dim=-1)[0]

@@ -43,6 +43,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="instead: 8 streams, then one prompt of TOKENS (default 6000): the streams' inter-token "
                         "gaps while it prefills, whole vs in chunks (backend.max_step_tokens)")
     p.add_argument("--tokenizer", help="with --random-model: a tokenizer directory (default: the embedded model's)")
+    p.add_argument("--structured", action="store_true",
+                   help="instead: grammar-constrained (json_schema) vs free generation, tokens/s at 1 and 8 "
+                        "concurrent requests (or each --concurrency N)")
+    p.add_argument("--grammar-libraries", action="store_true",
+                   help="instead: xgrammar vs llguidance on this model's tokenizer: compile time, mask cost at "
+                        "batch 8, JSON-schema features enforced/ignored/refused (needs the `bench` extra)")
     p.set_defaults(func=run_cli)
 
 
@@ -73,6 +79,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if getattr(args, "random_model", None):
         overrides = _random_model_overrides(args.random_model, getattr(args, "tokenizer", None), progress)
     concurrency = sorted(set(getattr(args, "concurrency", None) or []))
+    if getattr(args, "structured", False) and not concurrency:
+        concurrency = [1, 8]
     if concurrency:
         overrides.setdefault("backend", {})["max_batch"] = max(concurrency)
     print("raylens bench: loading model…", file=sys.stderr, flush=True)
@@ -81,6 +89,10 @@ def run_cli(args: argparse.Namespace) -> int:
             return _internals_cli(engine, args, progress)
         if getattr(args, "serve", False):  # its own rows only: the HTTP/WebSocket server
             return _serve_cli(engine, args, progress)
+        if getattr(args, "structured", False):  # its own rows only: constrained vs free generation
+            return _structured_cli(engine, args, concurrency, progress)
+        if getattr(args, "grammar_libraries", False):  # its own rows only: the two grammar libraries
+            return _grammar_libraries_cli(engine, args, progress)
         if concurrency:
             report = {"concurrency": run_concurrency_bench(engine, concurrency=concurrency,
                                                            new_tokens=args.new_tokens, repeats=args.repeats,
@@ -136,6 +148,30 @@ def _serve_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], 
     report = {"serve": run_serve_bench(engine, new_tokens=min(args.new_tokens, 64), progress=progress)}
     print(format_serve(report["serve"]))
     _write_report(args.out, report)
+    return 0
+
+
+def _structured_cli(engine: Any, args: argparse.Namespace, concurrency: list[int],
+                    progress: Callable[[str], None]) -> int:
+    from pipelines.bench.structured_outputs import format_structured, run_structured_bench
+
+    report = {"structured": run_structured_bench(engine, concurrency=tuple(concurrency),
+                                                 new_tokens=min(args.new_tokens, 64), repeats=args.repeats,
+                                                 progress=progress)}
+    print(format_structured(report["structured"]))
+    _write_report(args.out, report)
+    return 0
+
+
+def _grammar_libraries_cli(engine: Any, args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    import dataclasses
+
+    from pipelines.bench.grammar_libraries import format_grammar_libraries, run_grammar_library_bench
+
+    info = engine.backend.info
+    results = run_grammar_library_bench(engine.tokenizer, info.vocab_size, sorted(info.eos_token_ids), progress)
+    print(format_grammar_libraries(results))
+    _write_report(args.out, {"grammar_libraries": [dataclasses.asdict(r) for r in results]})
     return 0
 
 
