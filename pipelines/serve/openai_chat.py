@@ -8,7 +8,8 @@
   ``delta.removed = n`` (the newest ``n`` streamed tokens are gone), and a final output that
   differs from what was streamed (ForceOutput, ToolCalls) is sent as ``removed`` then content.
   With ``stream_options: {"include_usage": true}`` one more chunk follows the finishing one,
-  with ``choices: []`` and the ``usage`` (none otherwise, as OpenAI's reference has it).
+  with ``choices: []`` and the ``usage`` (none otherwise, as OpenAI's reference has it); adding
+  ``continuous_usage_stats: true`` (vLLM's extension) puts the usage so far on every chunk too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from engine.errors import InvalidRequestError
 
 from .errors import ApiError, ErrorCode, api_error_from
 from .openai_choices import Choice, interleave, open_choices, seeded
-from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, refuse_unsupported,
+from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, parse_stops, stream_options, usage, refuse_unsupported,
                             resolve_model, service_of, sse, tool_calls)
 from .openai_models import ERRORS, ChatCompletionRequest, ChatMessage
 from .openai_raylens import parse_extension
@@ -74,16 +75,16 @@ class ChatCall:
         self.created = int(time.time())
         self.stops = parse_stops(body.stop)
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
-        self.include_usage = include_usage(body.stream_options, body.stream)
+        self.options = stream_options(body.stream_options, body.stream)
+        self.choices: list[Choice] = []
         self.messages = [_text_content(m, i) for i, m in enumerate(body.messages)]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         try:
             self.request = GenerationRequest(
-                messages=self.messages, mods=tuple(self.mods), max_tokens=max_tokens, temperature=body.temperature,
-                top_p=body.top_p, top_k=body.top_k, seed=body.seed, tools=body.tools,
-                response_format=body.response_format, repetition_penalty=body.repetition_penalty,
-                ignore_eos=body.ignore_eos,
-                top_logprobs=self.top_logprobs, max_tokens_cap=service.settings.max_new_tokens)
+                messages=self.messages, mods=tuple(self.mods), max_tokens=max_tokens, seed=body.seed,
+                tools=body.tools, tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+                top_logprobs=self.top_logprobs, max_tokens_cap=service.settings.max_new_tokens,
+                **body.engine_fields())
         except InvalidRequestError as err:  # the same rule and message as from every other door
             raise api_error_from(err) from None
 
@@ -118,17 +119,22 @@ class ChatCall:
 
     def usage(self, results: list[Any], completion_tokens: int) -> dict[str, int]:
         """The prompt counted once (every choice reads the same one), completions summed."""
-        prompt = len(results[0].prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+        return usage(len(results[0].prompt_ids), completion_tokens)
+
+    def usage_so_far(self) -> dict[str, int]:
+        """``continuous_usage_stats``: the prompt and every choice's tokens streamed so far."""
+        return usage(len(self.choices[0].stream.handle.request.input_ids), sum(len(c.text.ids) for c in self.choices))
 
     def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, *, logprobs: Any = None,
               raylens: dict[str, Any] | None = None) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         if raylens:
             choice["raylens"] = raylens
-        return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
-                    "system_fingerprint": fingerprint(), "choices": [choice]})
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.body.model,
+                "system_fingerprint": fingerprint(), "choices": [choice]}
+        if self.options.continuous:
+            body["usage"] = self.usage_so_far()
+        return sse(body)
 
     # ---------------------------------------------------------------------------- responses
 
@@ -197,10 +203,11 @@ class ChatCall:
         """The SSE body, choices interleaved as their tokens come; leaving it early (the client
         disconnected) cancels every choice's request."""
         ended: list[tuple[Any, int]] = []
+        self.choices = choices
         try:
             async for item in interleave([self._sse_one(c, ended) for c in choices]):
                 yield item
-            if self.include_usage:  # OpenAI's shape: one more chunk, no choices, the usage
+            if self.options.include_usage:  # OpenAI's shape: one more chunk, no choices, the usage
                 yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                            "model": self.body.model, "system_fingerprint": fingerprint(), "choices": [],
                            "usage": self.usage([r for r, _ in ended], sum(n for _, n in ended))})

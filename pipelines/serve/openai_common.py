@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -13,7 +14,7 @@ from .errors import ApiError, ErrorCode
 from .service import Service
 from .settings import raylens_version
 
-__all__ = ["service_of", "resolve_model", "fingerprint", "include_usage", "parse_stops", "tool_calls", "sse",
+__all__ = ["service_of", "resolve_model", "fingerprint", "StreamOptions", "stream_options", "usage", "parse_stops", "tool_calls", "sse",
            "refuse_unsupported", "UNSUPPORTED", "SSE_DONE", "SSE_HEADERS"]
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -40,22 +41,41 @@ def fingerprint() -> str:
     return f"raylens-{raylens_version()}"
 
 
-def include_usage(options: dict[str, Any] | None, stream: bool) -> bool:
-    """``stream_options``: only ``include_usage`` (a bool), and only with ``stream``."""
+@dataclass(frozen=True)
+class StreamOptions:
+    """``stream_options``. ``include_usage``: one more chunk after the last, ``choices: []`` and
+    the ``usage`` (OpenAI). ``continuous``: ``continuous_usage_stats`` (vLLM's extension, which
+    guidellm sends): every chunk also carries the usage so far; only with ``include_usage``."""
+
+    include_usage: bool = False
+    continuous: bool = False
+
+
+def stream_options(options: dict[str, Any] | None, stream: bool) -> StreamOptions:
+    """``stream_options``: ``include_usage`` and ``continuous_usage_stats`` (bools), only with ``stream``."""
     if options is None:
-        return False
+        return StreamOptions()
     if not stream:
         raise ApiError(ErrorCode.INVALID_REQUEST, "`stream_options` must be used with `stream: true`, got "
                                                   "stream false.", "stream_options")
-    unknown = sorted(set(options) - {"include_usage"})
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
     if unknown:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"`stream_options` must hold only include_usage, got "
-                                                  f"{', '.join(unknown)}.", f"stream_options.{unknown[0]}")
-    value = options.get("include_usage", False)
-    if not isinstance(value, bool):
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"`stream_options.include_usage` must be true or false, got "
-                                                  f"{value!r}.", "stream_options.include_usage")
-    return value
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"`stream_options` must hold only include_usage and "
+                                                  f"continuous_usage_stats, got {', '.join(unknown)}.",
+                       f"stream_options.{unknown[0]}")
+    values = {}
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name, False)
+        if not isinstance(value, bool):
+            raise ApiError(ErrorCode.INVALID_REQUEST, f"`stream_options.{name}` must be true or false, got "
+                                                      f"{value!r}.", f"stream_options.{name}")
+        values[name] = value
+    return StreamOptions(values["include_usage"], values["include_usage"] and values["continuous_usage_stats"])
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 #: OpenAI request fields this text-only server cannot honour: refused when set, never ignored

@@ -10,11 +10,13 @@
 * ``n`` choices per prompt run as one batch, choice ``i`` seeded ``seed + i`` (:mod:`.openai_choices`).
 * Streams send one chunk per token (``finish_reason`` null until the last, as OpenAI sends it); a
   mod's Backtrack sends a chunk with ``removed: n`` on the choice (an extension: the newest ``n``
-  tokens are gone). ``stream_options.include_usage`` adds a last chunk with ``choices: []``.
+  tokens are gone). ``stream_options.include_usage`` adds a last chunk with ``choices: []``
+  (and ``continuous_usage_stats`` the usage so far on every chunk).
 * Mods by model suffix (``<model>/<mod>``) as on chat; a mod's EmitError is an error, its ToolCalls
   ends the choice with ``stop`` (completions have no tool calls).
 * Refused with a 400 naming the field: ``suffix`` (no fill-in-the-middle), ``best_of`` other than
-  ``n`` (no server-side ranking), and the fields in :data:`NOT_WIRED` when set.
+  ``n`` (no server-side ranking). The sampling fields chat has (``logit_bias``, ``min_tokens``,
+  penalties, ``response_format`` with its grammar) work here too.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from engine.errors import InvalidRequestError
 
 from .errors import ApiError, ErrorCode, api_error_from
 from .openai_choices import Choice, interleave, open_choices, seeded
-from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, refuse_unsupported,
+from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, parse_stops, stream_options, usage, refuse_unsupported,
                             resolve_model, service_of, sse)
 from .openai_legacy import LegacyLogprobs
 from .openai_models import ERRORS, MAX_TOTAL_CHOICES, CompletionRequest
@@ -41,14 +43,12 @@ from .openai_raylens import parse_extension
 from .openai_text import ChoiceText
 from .service import Service
 
-__all__ = ["router", "CompletionCall", "NOT_WIRED"]
+__all__ = ["router", "CompletionCall"]
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 #: ``max_tokens`` when the body leaves it out or null (OpenAI's default), capped by the server's limit
 DEFAULT_MAX_TOKENS = 16
-#: request fields the engine does not take on this route yet: refused when set (never ignored)
-NOT_WIRED = ("logit_bias", "min_tokens", "response_format")
 
 
 @router.post("/completions", responses=ERRORS)
@@ -83,11 +83,9 @@ class CompletionCall:
                                      f"for n choices and rank them yourself", body.best_of)
         extra = body.model_extra or {}
         refuse_unsupported(extra)
-        for name in NOT_WIRED:
-            if extra.get(name) not in (None, {}, 0):
-                raise _refuse(name, "null on /v1/completions (not supported here yet)", extra[name])
         self.stops = parse_stops(body.stop)
-        self.include_usage = include_usage(body.stream_options, body.stream)
+        self.options = stream_options(body.stream_options, body.stream)
+        self.choices: list[Choice] = []
         self.prompts = parse_prompts(service, body.prompt)
         self.n = body.n
         if len(self.prompts) * self.n > MAX_TOTAL_CHOICES:
@@ -103,9 +101,8 @@ class CompletionCall:
             self.requests = [GenerationRequest(
                 input_ids=tuple(p.ids), mods=tuple(self.mods),
                 max_tokens=None if self.scoring_only else max_tokens,
-                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                ignore_eos=body.ignore_eos, repetition_penalty=body.repetition_penalty, top_logprobs=body.logprobs,
-                max_tokens_cap=service.settings.max_new_tokens) for p in self.prompts]
+                seed=body.seed, top_logprobs=body.logprobs, max_tokens_cap=service.settings.max_new_tokens,
+                **body.engine_fields()) for p in self.prompts]
         except InvalidRequestError as err:
             raise api_error_from(err) from None
         self.scores: list[Any] = []
@@ -178,9 +175,7 @@ class CompletionCall:
         return ("length" if reason == "length" else "stop"), result.output_text
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        prompt = sum(len(p.ids) for p in self.prompts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+        return usage(sum(len(p.ids) for p in self.prompts), completion_tokens)
 
     def _choice(self, index: int, text: str, finish: str | None, logprobs: LegacyLogprobs | None,
                 **extra: Any) -> dict[str, Any]:
@@ -190,6 +185,11 @@ class CompletionCall:
     def _body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,
                 "system_fingerprint": fingerprint(), "choices": choices, **extra}
+
+    def _chunk(self, choice: dict[str, Any]) -> str:
+        """One streamed choice; with ``continuous_usage_stats`` also the usage so far."""
+        extra = {"usage": self.usage(sum(len(c.text.ids) for c in self.choices))} if self.options.continuous else {}
+        return sse(self._body([choice], **extra))
 
     def _scored_choices(self) -> list[dict[str, Any]]:
         """``max_tokens: 0``: each choice is its echoed prompt, nothing generated."""
@@ -227,7 +227,7 @@ class CompletionCall:
     async def _sse_one(self, choice: Choice, ended: list[int]) -> AsyncIterator[str]:
         """One choice's chunks; its completion tokens appended to ``ended`` at its end."""
         stream, text, index, p = choice.stream, choice.text, choice.index, choice.index // self.n
-        chunk = lambda *args, **kw: sse(self._body([self._choice(index, *args, **kw)]))  # noqa: E731
+        chunk = lambda *args, **kw: self._chunk(self._choice(index, *args, **kw))  # noqa: E731
         try:
             if self.body.echo:
                 yield chunk(self._echo(p), None, self._prompt_logprobs(p) if self.want_logprobs else None)
@@ -266,14 +266,15 @@ class CompletionCall:
     async def sse(self, choices: list[Choice]) -> AsyncIterator[str]:
         """The SSE body, choices interleaved as their tokens come; leaving it early cancels them."""
         ended: list[int] = []
+        self.choices = choices
         try:
             if self.scoring_only:
                 for body in self._scored_choices():
-                    yield sse(self._body([body]))
+                    yield self._chunk(body)
             else:
                 async for item in interleave([self._sse_one(c, ended) for c in choices]):
                     yield item
-            if self.include_usage:
+            if self.options.include_usage:
                 yield sse(self._body([], usage=self.usage(sum(ended))))
         except ApiError as err:
             yield sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.body.model,

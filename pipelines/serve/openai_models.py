@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "ModPayload",
+__all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "SamplingFields", "ChatCompletionRequest", "CompletionRequest", "ModPayload",
            "MAX_CHOICES", "MAX_PROMPTS", "MAX_TOTAL_CHOICES", "MAX_LEGACY_LOGPROBS"]
 
 
@@ -41,7 +41,31 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(BaseModel):
+class SamplingFields(BaseModel):
+    """The fields chat and completions share that the engine's request takes as they are. Their
+    rules (ranges, token ids in the vocabulary, the schema a grammar can enforce) are the engine's,
+    so the schema states only types."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
+    top_p: float | None = Field(None, description="in (0, 1]")
+    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
+    ignore_eos: bool | None = Field(None, strict=True, description="true: EOS does not end the answer")
+    min_tokens: int | None = Field(None, strict=True, description=">= 0: EOS and stop tokens are not drawn before "
+                                                                  "this many tokens")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] added to its logit")
+    presence_penalty: float | None = Field(None, description="in [-2, 2] (OpenAI's rule over generated tokens)")
+    frequency_penalty: float | None = Field(None, description="in [-2, 2] (OpenAI's rule over generated tokens)")
+    repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object, json_schema (enforced by a grammar), or raylens' regex / grammar")
+
+    def engine_fields(self) -> dict[str, Any]:
+        """These fields as :class:`~engine.core.inputs.GenerationRequest` keywords."""
+        return {name: getattr(self, name) for name in SamplingFields.model_fields}
+
+
+class ChatCompletionRequest(SamplingFields):
     """The Chat Completions request; fields the server does not use are accepted and ignored
     only when they cannot change the answer (``user``, ``metadata``, ``store`` …)."""
 
@@ -52,9 +76,6 @@ class ChatCompletionRequest(BaseModel):
     # door answers a bad value with the same error; the schema states only their types.
     max_tokens: int | None = Field(None, strict=True, description=">= 1 (and at most the server's serve.max_new_tokens)")
     max_completion_tokens: int | None = Field(None, strict=True, description="as max_tokens; takes precedence")
-    temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
-    top_p: float | None = Field(None, description="in (0, 1]")
-    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
     n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True,
                    description=f"in [1, {MAX_CHOICES}]; choice i is seeded seed + i, all n run as one batch")
     stream: bool = Field(False, strict=True)
@@ -64,12 +85,10 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool = Field(False, strict=True)
     top_logprobs: int | None = Field(None, strict=True, description="in [0, 20]")
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
-    repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
-    ignore_eos: bool | None = Field(None, strict=True, description="true: EOS does not end the answer")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto, required or {type: function, function: {name}}; required and a named "
+                          "function are enforced by a grammar (one call)")
+    parallel_tool_calls: bool | None = Field(None, strict=True, description="accepted; one call is generated")
     raylens: dict[str, Any] | None = Field(None, description="extension: {steer, sae_features, capture}; each off "
                                                              "unless asked (see docs/openai-server.md)")
 
@@ -83,7 +102,7 @@ class ModPayload(BaseModel):
 
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(SamplingFields):
     """The legacy Completions request: raw text (no chat template) or token ids in, text out."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -92,9 +111,6 @@ class CompletionRequest(BaseModel):
     suffix: str | None = Field(None, description="not supported: must be null or empty")
     max_tokens: int | None = Field(None, strict=True, description=">= 0 (0 only with echo: score the prompt); "
                                                                    "null: OpenAI's 16, at most the server's limit")
-    temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
-    top_p: float | None = Field(None, description="in (0, 1]")
-    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
     n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True, description=f"in [1, {MAX_CHOICES}]")
     best_of: int | None = Field(None, strict=True, description="must equal n (no server-side ranking)")
     stream: bool = Field(False, strict=True)
@@ -105,10 +121,6 @@ class CompletionRequest(BaseModel):
                                  description=f"in [0, {MAX_LEGACY_LOGPROBS}]: each token's log-prob and that many "
                                              "alternatives")
     echo: bool = Field(False, strict=True)
-    ignore_eos: bool | None = Field(None, strict=True)
-    presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
-    repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
     raylens: dict[str, Any] | None = Field(None, description="extension: {steer, sae_features, capture}; each off "
                                                              "unless asked (see docs/openai-server.md)")
 

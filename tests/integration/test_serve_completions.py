@@ -209,7 +209,10 @@ def test_mod_by_model_suffix_runs_on_completions(client, server, model_id):
     ({"logprobs": 6}, "logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"n": 17}, "n"),
-    ({"logit_bias": {"42": 5}}, "logit_bias"),
+    ({"logit_bias": {"42": 500}}, "logit_bias[42]"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [[10**9]]}, "prompt[0][0]"),
