@@ -100,7 +100,8 @@ def _run_guidellm(url: str, model_id: str, tokenizer_dir: str, bench: GuidellmBe
     errored = benchmark["requests"]["errored"]
     if errored:
         raise GuidellmRunError(f"{len(errored)} of guidellm's requests failed; the first: "
-                               f"{errored[0]['info'].get('error')}")
+                               f"{errored[0]['info'].get('error')} (a 400 is a request field the server refuses: "
+                               "guidellm streams with stream_options.continuous_usage_stats and ignore_eos)")
     return benchmark
 
 
