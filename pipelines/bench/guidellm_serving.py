@@ -173,6 +173,7 @@ def run_guidellm_bench(engine: Any, bench: GuidellmBench = GuidellmBench(), *,
     from pipelines.serve.local import serve_in_thread
     from pipelines.serve.settings import ServeSettings
 
+    load_before = os.getloadavg()  # this machine's other work shifts both sides; the report shows it
     tokenizer_dir = resolve_model_path(engine.backend.config.model_id, engine.backend.config.model_cache_dir)
     model_id = engine.backend.info.model_id
     settings = ServeSettings(max_new_tokens=max(bench.output_tokens, 16), request_timeout_s=bench.timeout_s)
@@ -188,7 +189,8 @@ def run_guidellm_bench(engine: Any, bench: GuidellmBench = GuidellmBench(), *,
     progress(f"in-process: {local['tokens_per_s']:.1f} tok/s, TTFT p50 {local['ttft_ms']['p50']:.0f} ms")
     return {"machine": _machine(engine.backend), "model": model_id, "bench": asdict(bench),
             "guidellm": importlib.metadata.version("guidellm"), "route": "/v1/chat/completions (stream)",
-            "served": served, "in_process": local, "ratio": served["tokens_per_s"] / local["tokens_per_s"]}
+            "served": served, "in_process": local, "ratio": served["tokens_per_s"] / local["tokens_per_s"],
+            "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()}}
 
 
 def format_guidellm(report: dict[str, Any]) -> str:
