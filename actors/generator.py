@@ -150,6 +150,30 @@ class GeneratorActor:
         """``Engine.encode`` (chat template and all), so a replica tokenizes exactly as requests are."""
         return self.engine.encode(prompt, **kwargs)
 
+    def score(self, input_ids: list[int], top_k: int = 0) -> Any:
+        """``Engine.score``: per-position log-probs of ``input_ids`` from one fresh forward (the
+        Serve replica's prompt log-probs); a :class:`~engine.model.scoring.SequenceScores`."""
+        try:
+            return self.engine.score(input_ids, top_k=top_k)
+        except Exception as err:
+            raise portable_error(err) from None
+
+    def embed_tokens(self, token_ids: list[list[int]], layer: int | None = None, pool: str = "mean") -> Any:
+        """``Engine.embed_tokens``: ``(len(token_ids), d)`` float32 numpy embeddings."""
+        try:
+            return self.engine.embed_tokens(token_ids, layer=layer, pool=pool)
+        except Exception as err:
+            raise portable_error(err) from None
+
+    def capture(self, input_ids: list[int], names: list[str]) -> dict[str, Any]:
+        """``Engine.capture`` of ``input_ids``: ``{name: float32 numpy array}`` (host copies, so
+        they cross Ray without torch tensors)."""
+        try:
+            tensors = self.engine.capture(input_ids=input_ids, names=names)
+        except Exception as err:
+            raise portable_error(err) from None
+        return {name: tensor.detach().float().cpu().numpy() for name, tensor in tensors.items()}
+
     def generate(self, request: GenerationRequest) -> GenerationResult:
         """One request → its result, :meth:`~engine.core.result.GenerationResult.portable` (the
         events and the payload stay here; the payload goes to the IngestActor)."""

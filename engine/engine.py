@@ -374,3 +374,27 @@ class Engine:
         the model's outputs. See :mod:`engine.model.named_capture`."""
         ids = self.encode(prompt, messages=messages, input_ids=input_ids)
         return self.backend.capture(ids, names, out=out)
+
+    def embed_tokens(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None, pool: str = "mean",
+                     batch_size: int = 16) -> Any:
+        """:meth:`embed` of texts already tokenised (``token_ids[i]``: one text's plain-text ids, as
+        :func:`~engine.model.embeddings.tokenize_texts` gives them): ``(len(token_ids), d)``
+        float32 numpy, row ``i`` equal to ``embed`` of that text. Each list must be non-empty,
+        in the vocabulary and fit the context."""
+        from engine.errors import ContextOverflowError
+
+        limit = self.backend.info.max_context
+        for i, ids in enumerate(token_ids):
+            if not isinstance(ids, (str, bytes)) and isinstance(ids, Sequence) and len(ids) > limit:
+                raise ContextOverflowError(f"`input[{i}]` must fit the model's context of {limit} tokens, got "
+                                           f"{len(ids)}; shorten it", parameter=f"input[{i}]", value=len(ids))
+        return self.backend.embed(token_ids, layer=layer, pool=pool, batch_size=batch_size)
+
+    def score(self, input_ids: Sequence[int], *, top_k: int = 0) -> Any:
+        """Each token's log-prob given the tokens before it (the first: None), and the ``top_k``
+        best alternatives at each position, from one fresh forward of the model (no cache slot;
+        runs beside the step loop): a :class:`~engine.model.scoring.SequenceScores`. What
+        prompt log-probs (OpenAI's ``echo`` with ``logprobs``) need. See :mod:`engine.model.scoring`."""
+        from engine.model.scoring import score
+
+        return score(self.backend.reference_model, input_ids, top_k=top_k)

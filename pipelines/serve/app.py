@@ -49,7 +49,8 @@ def build_app(engine: Any, settings: ServeSettings | None = None, *, store: Any 
                                         engine.tokenizer, neuronpedia_url, features_api.neuronpedia_ids_from_registry())
     app = _base_app(settings, source, "OpenAI-compatible chat with mods, and per-token attention streaming.")
     app.state.service = Service(engine, settings)
-    app.include_router(openai_api.router)
+    for router in openai_api.routers:
+        app.include_router(router)
     app.include_router(attention_api.router)
 
     @app.get("/healthz", tags=["health"])

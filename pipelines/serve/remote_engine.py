@@ -150,14 +150,32 @@ class RemoteEngine:
         with self._lock:
             return self.generators[next(self._next)]
 
-    def encode(self, prompt: str | None = None, **kwargs: Any) -> list[int]:
-        """``Engine.encode`` run by the actor (the chat template exactly as requests get it)."""
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One generator's ``method``, waited for at most ``ray.call_timeout_s``; its own error."""
         import ray
 
         try:
-            return ray.get(self._generator().encode.remote(prompt, **kwargs), timeout=self.config.ray.call_timeout_s)
+            return ray.get(getattr(self._generator(), method).remote(*args, **kwargs),
+                           timeout=self.config.ray.call_timeout_s)
         except Exception as err:
             raise unwrap(err) from None
+
+    def encode(self, prompt: str | None = None, **kwargs: Any) -> list[int]:
+        """``Engine.encode`` run by the actor (the chat template exactly as requests get it)."""
+        return self._call("encode", prompt, **kwargs)
+
+    def score(self, input_ids: Sequence[int], *, top_k: int = 0) -> Any:
+        """``Engine.score`` run by the actor (one fresh forward beside its step loop)."""
+        return self._call("score", list(input_ids), top_k)
+
+    def capture(self, *, input_ids: Sequence[int], names: Sequence[str]) -> dict[str, Any]:
+        """``Engine.capture`` of ``input_ids`` run by the actor: ``{name: float32 numpy array}``."""
+        return self._call("capture", [int(t) for t in input_ids], list(names))
+
+    def embed_tokens(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None,
+                     pool: str = "mean") -> Any:
+        """``Engine.embed_tokens`` run by the actor."""
+        return self._call("embed_tokens", [list(ids) for ids in token_ids], layer, pool)
 
     def submit(self, request: GenerationRequest | str | None = None, /, *, on_event: Any = None,
                block: bool = True, timeout: float | None = None, **fields: Any) -> RemoteHandle:

@@ -1,0 +1,120 @@
+"""The OpenAI API's request bodies, as pydantic models (what ``/docs`` shows and FastAPI checks).
+
+The schema states types; values with rules shared by every door (sampling ranges, token ids) are
+checked by the engine's one request type, :class:`~engine.core.inputs.GenerationRequest`, so a bad
+value gets the same error whichever door it came through. Fields that cannot change an answer
+(``user``, ``metadata``, ``store`` …) are accepted and ignored (``extra="allow"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "ModPayload",
+           "MAX_CHOICES", "MAX_PROMPTS", "MAX_LEGACY_LOGPROBS"]
+
+
+#: the most choices one request may ask for (``n``; on completions, ``n`` times the prompts)
+MAX_CHOICES = 16
+#: the most prompts one completions request may hold
+MAX_PROMPTS = 64
+#: OpenAI's bound on legacy completions' ``logprobs``
+MAX_LEGACY_LOGPROBS = 5
+
+
+class OpenAIErrorBody(BaseModel):
+    error: dict[str, Any]
+
+
+#: the error responses every route documents (OpenAI's envelope)
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIErrorBody}
+                                           for code in (400, 401, 403, 404, 413, 503, 504)}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """The Chat Completions request; fields the server does not use are accepted and ignored
+    only when they cannot change the answer (``user``, ``metadata``, ``store`` …)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str = Field(min_length=1, max_length=512)
+    messages: list[ChatMessage] = Field(min_length=1)
+    # Sampling values are checked by the engine's one request type (GenerationRequest), so every
+    # door answers a bad value with the same error; the schema states only their types.
+    max_tokens: int | None = Field(None, strict=True, description=">= 1 (and at most the server's serve.max_new_tokens)")
+    max_completion_tokens: int | None = Field(None, strict=True, description="as max_tokens; takes precedence")
+    temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
+    top_p: float | None = Field(None, description="in (0, 1]")
+    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True,
+                   description=f"in [1, {MAX_CHOICES}]; choice i is seeded seed + i, all n run as one batch")
+    stream: bool = Field(False, strict=True)
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]")
+    logprobs: bool = Field(False, strict=True)
+    top_logprobs: int | None = Field(None, strict=True, description="in [0, 20]")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
+    repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+
+
+class ModPayload(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")
+    language: str = "python"
+    entrypoint: str = Field(min_length=1)
+    description: str | None = None
+
+
+
+class CompletionRequest(BaseModel):
+    """The legacy Completions request: raw text (no chat template) or token ids in, text out."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model: str = Field(min_length=1, max_length=512)
+    prompt: Any = Field(description="a string, a list of token ids, or a list of either (each its own choices)")
+    suffix: str | None = Field(None, description="not supported: must be null or empty")
+    max_tokens: int | None = Field(16, strict=True, description=">= 0 (0 only with echo: score the prompt); "
+                                                                 "OpenAI's default 16")
+    temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
+    top_p: float | None = Field(None, description="in (0, 1]")
+    top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True, description=f"in [1, {MAX_CHOICES}]")
+    best_of: int | None = Field(None, strict=True, description="must equal n (no server-side ranking)")
+    stream: bool = Field(False, strict=True)
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]; choice i is seeded seed + i")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LEGACY_LOGPROBS, strict=True,
+                                 description=f"in [0, {MAX_LEGACY_LOGPROBS}]: each token's log-prob and that many "
+                                             "alternatives")
+    echo: bool = Field(False, strict=True)
+    ignore_eos: bool | None = Field(None, strict=True)
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
+    repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+
+
+#: the most inputs one embeddings request may hold
+MAX_EMBEDDING_INPUTS = 256
+
+
+class EmbeddingRequest(BaseModel):
+    """The Embeddings request: text or token ids in, one vector per input out."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str = Field(min_length=1, max_length=512)
+    input: Any = Field(description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    encoding_format: Literal["float", "base64"] = Field("float", description="base64: little-endian float32 bytes")
+    dimensions: int | None = Field(None, strict=True, description="null or the model's hidden size")
