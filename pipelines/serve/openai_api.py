@@ -7,6 +7,11 @@ Behaviour follows the original engine's OpenAI server, so existing clients and m
   other forms the mod loader accepts); answer ``{"name", "replaced", "description"}``.
 * Chat completions (:mod:`.openai_chat`): a mod's ForceOutput, ToolCalls, EmitError and Backtrack
   become content, ``tool_calls``, an OpenAI error and ``delta.removed``.
+* Legacy completions (:mod:`.openai_completions`): text or token-id prompts, ``echo`` with the
+  prompt's log-probs (a scoring forward), ``max_tokens: 0`` to score only.
+* Embeddings (:mod:`.openai_embeddings`): ``Engine.embed`` over HTTP.
+* ``n`` choices run as one seeded batch (:mod:`.openai_choices`); the ``raylens`` body extension
+  (:mod:`.openai_raylens`) adds steering, SAE features per token and named captures.
 
 Deliberate differences: an unknown model or mod name is a 404 rather than being ignored; tool
 calls also stream (as one ``delta.tool_calls`` chunk at the end); ``usage`` counts real prompt

@@ -25,8 +25,8 @@ from engine.errors import InvalidRequestError
 
 from .errors import ApiError, ErrorCode, api_error_from
 from .openai_choices import Choice, interleave, open_choices, seeded
-from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, resolve_model, service_of,
-                            sse, tool_calls)
+from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, refuse_unsupported,
+                            resolve_model, service_of, sse, tool_calls)
 from .openai_models import ERRORS, ChatCompletionRequest, ChatMessage
 from .openai_raylens import parse_extension
 from .openai_text import ChoiceText, Sample
@@ -66,7 +66,8 @@ class ChatCall:
     def __init__(self, service: Service, body: ChatCompletionRequest) -> None:
         self.service, self.body = service, body
         self.mods = resolve_model(service, body.model)
-        self.ext = parse_extension(service, (body.model_extra or {}).get("raylens"))
+        refuse_unsupported(body.model_extra)
+        self.ext = parse_extension(service, body.raylens)
         if self.ext is not None:
             self.mods = self.mods + self.ext.mods()
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -81,6 +82,7 @@ class ChatCall:
                 messages=self.messages, mods=tuple(self.mods), max_tokens=max_tokens, temperature=body.temperature,
                 top_p=body.top_p, top_k=body.top_k, seed=body.seed, tools=body.tools,
                 response_format=body.response_format, repetition_penalty=body.repetition_penalty,
+                ignore_eos=body.ignore_eos,
                 top_logprobs=self.top_logprobs, max_tokens_cap=service.settings.max_new_tokens)
         except InvalidRequestError as err:  # the same rule and message as from every other door
             raise api_error_from(err) from None

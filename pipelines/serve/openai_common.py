@@ -14,7 +14,7 @@ from .service import Service
 from .settings import raylens_version
 
 __all__ = ["service_of", "resolve_model", "fingerprint", "include_usage", "parse_stops", "tool_calls", "sse",
-           "SSE_DONE", "SSE_HEADERS"]
+           "refuse_unsupported", "UNSUPPORTED", "SSE_DONE", "SSE_HEADERS"]
 
 SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -56,6 +56,27 @@ def include_usage(options: dict[str, Any] | None, stream: bool) -> bool:
         raise ApiError(ErrorCode.INVALID_REQUEST, f"`stream_options.include_usage` must be true or false, got "
                                                   f"{value!r}.", "stream_options.include_usage")
     return value
+
+
+#: OpenAI request fields this text-only server cannot honour: refused when set, never ignored
+UNSUPPORTED = {
+    "audio": "null (this model reads and writes text only)",
+    "modalities": 'null or ["text"] (this model writes text only)',
+    "prediction": "null (no predicted outputs)",
+    "web_search_options": "null (no web search)",
+    "functions": "null: use `tools` (the deprecated `functions` is not read)",
+    "function_call": "null: use `tools` (the deprecated `function_call` is not read)",
+}
+
+
+def refuse_unsupported(extra: dict[str, Any] | None) -> None:
+    """A 400 naming the first field of :data:`UNSUPPORTED` the body sets (``extra``: the fields
+    the body's model does not declare)."""
+    for name, constraint in UNSUPPORTED.items():
+        value = (extra or {}).get(name)
+        if value is None or (name == "modalities" and value == ["text"]):
+            continue
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"`{name}` must be {constraint}, got {str(value)[:80]}.", name)
 
 
 def parse_stops(stop: str | list[str] | None) -> list[str]:

@@ -32,7 +32,8 @@ from engine.errors import InvalidRequestError
 
 from .errors import ApiError, ErrorCode, api_error_from
 from .openai_choices import Choice, interleave, open_choices, seeded
-from .openai_common import SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, resolve_model, service_of, sse
+from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, include_usage, parse_stops, refuse_unsupported,
+                            resolve_model, service_of, sse)
 from .openai_legacy import LegacyLogprobs
 from .openai_models import ERRORS, MAX_PROMPTS, CompletionRequest
 from .openai_prompts import parse_prompts, token_pieces
@@ -44,6 +45,8 @@ __all__ = ["router", "CompletionCall", "NOT_WIRED"]
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
+#: ``max_tokens`` when the body leaves it out or null (OpenAI's default), capped by the server's limit
+DEFAULT_MAX_TOKENS = 16
 #: request fields the engine does not take on this route yet: refused when set (never ignored)
 NOT_WIRED = ("logit_bias", "min_tokens", "response_format")
 
@@ -68,7 +71,7 @@ class CompletionCall:
     def __init__(self, service: Service, body: CompletionRequest) -> None:
         self.service, self.body = service, body
         self.mods = resolve_model(service, body.model)
-        self.ext = parse_extension(service, (body.model_extra or {}).get("raylens"))
+        self.ext = parse_extension(service, body.raylens)
         if self.ext is not None:
             self.mods = self.mods + self.ext.mods()
         self.id = f"cmpl-{uuid.uuid4().hex}"
@@ -79,6 +82,7 @@ class CompletionCall:
             raise _refuse("best_of", f"null or equal to n ({body.n}): choices are not ranked on the server; ask "
                                      f"for n choices and rank them yourself", body.best_of)
         extra = body.model_extra or {}
+        refuse_unsupported(extra)
         for name in NOT_WIRED:
             if extra.get(name) not in (None, {}, 0):
                 raise _refuse(name, "null on /v1/completions (not supported here yet)", extra[name])
@@ -88,14 +92,17 @@ class CompletionCall:
         self.n = body.n
         if len(self.prompts) * self.n > MAX_PROMPTS:
             raise _refuse("n", f"at most {MAX_PROMPTS} choices in all (prompts times n)", body.n)
-        self.scoring_only = body.max_tokens == 0
+        max_tokens = body.max_tokens if body.max_tokens is not None else min(
+            DEFAULT_MAX_TOKENS, service.settings.max_new_tokens)
+        self.scoring_only = max_tokens == 0
         if self.scoring_only and not body.echo:
             raise _refuse("max_tokens", ">= 1, or 0 with `echo: true` (score the prompt, generate nothing)", 0)
         self.want_logprobs = body.logprobs is not None
         self.k = body.logprobs or 0
         try:  # checked even when only scoring: every field must be valid
             self.requests = [GenerationRequest(
-                input_ids=tuple(p.ids), mods=tuple(self.mods), max_tokens=None if self.scoring_only else body.max_tokens,
+                input_ids=tuple(p.ids), mods=tuple(self.mods),
+                max_tokens=None if self.scoring_only else max_tokens,
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                 ignore_eos=body.ignore_eos, repetition_penalty=body.repetition_penalty, top_logprobs=body.logprobs,
                 max_tokens_cap=service.settings.max_new_tokens) for p in self.prompts]

@@ -67,6 +67,9 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+    ignore_eos: bool | None = Field(None, strict=True, description="true: EOS does not end the answer")
+    raylens: dict[str, Any] | None = Field(None, description="extension: {steer, sae_features, capture}; each off "
+                                                             "unless asked (see docs/openai-server.md)")
 
 
 class ModPayload(BaseModel):
@@ -85,8 +88,8 @@ class CompletionRequest(BaseModel):
     model: str = Field(min_length=1, max_length=512)
     prompt: Any = Field(description="a string, a list of token ids, or a list of either (each its own choices)")
     suffix: str | None = Field(None, description="not supported: must be null or empty")
-    max_tokens: int | None = Field(16, strict=True, description=">= 0 (0 only with echo: score the prompt); "
-                                                                 "OpenAI's default 16")
+    max_tokens: int | None = Field(None, strict=True, description=">= 0 (0 only with echo: score the prompt); "
+                                                                   "null: OpenAI's 16, at most the server's limit")
     temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
     top_p: float | None = Field(None, description="in (0, 1]")
     top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
@@ -104,6 +107,8 @@ class CompletionRequest(BaseModel):
     presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: must be 0")
     repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+    raylens: dict[str, Any] | None = Field(None, description="extension: {steer, sae_features, capture}; each off "
+                                                             "unless asked (see docs/openai-server.md)")
 
 
 #: the most inputs one embeddings request may hold

@@ -80,6 +80,19 @@ def test_echo_logprobs_equal_an_independent_forward(client, engine, model_id):
     assert [PROMPT[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
 
 
+def test_echoed_tokens_of_multibyte_text_concatenate_to_it(client, engine, model_id):
+    text = "Café ☕ naïve 日本語 — ok"
+    ids = engine.tokenizer(text)["input_ids"]
+    assert len(ids) > len(text.split())  # control: characters here span several byte-level tokens
+    for prompt in (text, ids):
+        (choice,) = client.completions.create(model=model_id, prompt=prompt, max_tokens=0, echo=True,
+                                              logprobs=0).choices
+        assert choice.text == text and "".join(choice.logprobs.tokens) == text
+        assert len(choice.logprobs.tokens) == len(ids)
+        assert [text[o:o + len(t)] for o, t in zip(choice.logprobs.text_offset, choice.logprobs.tokens)] \
+            == choice.logprobs.tokens
+
+
 def test_token_id_prompt_scores_like_the_text(client, engine, model_id):
     ids = engine.tokenizer(PROMPT)["input_ids"]
     by_text = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
@@ -214,6 +227,15 @@ def test_bad_fields_are_400_naming_the_field(server, model_id, fields, param):
     control = httpx.post(f"{server}/v1/completions", json={"model": model_id, "prompt": PROMPT, "max_tokens": 2},
                          timeout=60)
     assert control.status_code == 200
+
+
+def test_ignore_eos_runs_to_max_tokens(client, engine, model_id):
+    messages = [{"role": "user", "content": "Hi!"}]
+    natural = client.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0)
+    assert natural.choices[0].finish_reason == "stop"  # control: it ends at EOS on its own
+    forced = client.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 24
 
 
 def test_health_and_version_still_answer(server):

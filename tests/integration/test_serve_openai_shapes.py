@@ -203,6 +203,9 @@ def test_embeddings_validate(server, model_id):
     ("/v1/completions", {"prompt": PROMPT, "suffix": "x"}, 400, "suffix"),
     ("/v1/completions", {"prompt": PROMPT, "best_of": 2}, 400, "best_of"),
     ("/v1/embeddings", {"input": "x", "dimensions": 2}, 400, "dimensions"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "audio": {"voice": "alloy"}}, 400, "audio"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ("/v1/completions", {"prompt": PROMPT, "functions": [{"name": "f"}]}, 400, "functions"),
 ])
 def test_error_bodies_are_openai_errors(server, model_id, path, body, status, param):
     from openai.types import ErrorObject
@@ -215,13 +218,15 @@ def test_error_bodies_are_openai_errors(server, model_id, path, body, status, pa
     assert error.param == param and error.message
 
 
-def test_an_error_after_the_stream_started_is_a_valid_final_chunk(server, model_id):
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_an_error_after_the_stream_started_is_a_valid_final_chunk(server, model_id, path):
     from openai.types import ErrorObject
     from openai.types.chat import ChatCompletionChunk
 
-    body = {"model": f"{model_id}/refuse", "messages": MESSAGES, "max_tokens": 3}
-    events = stream(server, "/v1/chat/completions", body)
+    chat = path == "/v1/chat/completions"
+    body = {"model": f"{model_id}/refuse", "max_tokens": 3, **({"messages": MESSAGES} if chat else {"prompt": PROMPT})}
+    events = stream(server, path, body)
     for event in events:
-        ChatCompletionChunk.model_validate(event)
+        (ChatCompletionChunk if chat else wire_completion()).model_validate(event)
     assert events[-1]["choices"] == []
     assert "refused by policy" in ErrorObject.model_validate(events[-1]["error"]).message
