@@ -101,7 +101,7 @@ def _run_guidellm(url: str, model_id: str, tokenizer_dir: str, bench: GuidellmBe
     if errored:
         raise GuidellmRunError(f"{len(errored)} of guidellm's requests failed; the first: "
                                f"{errored[0]['info'].get('error')} (a 400 is a request field the server refuses: "
-                               "guidellm streams with stream_options.continuous_usage_stats and ignore_eos)")
+                               "guidellm streams with stream_options.continuous_usage_stats, vLLM's extension)")
     return benchmark
 
 
