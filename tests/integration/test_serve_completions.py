@@ -212,7 +212,7 @@ def test_mod_by_model_suffix_runs_on_completions(client, server, model_id):
     ({"logit_bias": {"42": 500}}, "logit_bias[42]"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
-        "type": "array", "uniqueItems": True}}}}, "response_format"),
+        "type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [[10**9]]}, "prompt[0][0]"),

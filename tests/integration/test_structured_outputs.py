@@ -274,7 +274,6 @@ def test_the_structured_bench_reports_both_sides_and_the_grammars_share(engine):
 
 
 def test_the_grammar_library_bench_sorts_every_feature(engine):
-    pytest.importorskip("xgrammar")
     from pipelines.bench.grammar_libraries import FEATURES, SCHEMAS, run_grammar_library_bench
 
     info = engine.backend.info
