@@ -26,7 +26,6 @@ def run_serve_bench(engine: Any, *, new_tokens: int = 32, streams: Sequence[int]
     import websockets
 
     from pipelines.serve.app import build_app
-    from pipelines.serve.engine_stream import submit
     from pipelines.serve.local import serve_in_thread
     from pipelines.serve.settings import ServeSettings
 
@@ -77,7 +76,7 @@ def run_serve_bench(engine: Any, *, new_tokens: int = 32, streams: Sequence[int]
             served = total / (time.perf_counter() - started)
 
             def in_process(out: list[int]) -> None:
-                handle = submit(engine, input_ids=ids, max_tokens=new_tokens, temperature=0, ignore_eos=True)
+                handle = engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0, ignore_eos=True)
                 out.append(sum(len(e.token_ids) for e in handle if hasattr(e, "token_ids")))
 
             counts: list[int] = []

@@ -49,6 +49,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grammar-libraries", action="store_true",
                    help="instead: xgrammar vs llguidance on this model's tokenizer: compile time, mask cost at "
                         "batch 8, JSON-schema features enforced/ignored/refused (needs the `bench` extra)")
+    p.add_argument("--guidellm", action="store_true",
+                   help="instead: guidellm (PyPI) streaming chat at 8 concurrent clients against a loopback "
+                        "`raylens serve`, beside the same requests in-process (tokens/s ratio, TTFT p50/p95)")
     p.set_defaults(func=run_cli)
 
 
@@ -93,6 +96,8 @@ def run_cli(args: argparse.Namespace) -> int:
             return _structured_cli(engine, args, concurrency, progress)
         if getattr(args, "grammar_libraries", False):  # its own rows only: the two grammar libraries
             return _grammar_libraries_cli(engine, args, progress)
+        if getattr(args, "guidellm", False):  # its own rows only: guidellm against the server
+            return _guidellm_cli(engine, args, concurrency, progress)
         if concurrency:
             report = {"concurrency": run_concurrency_bench(engine, concurrency=concurrency,
                                                            new_tokens=args.new_tokens, repeats=args.repeats,
@@ -172,6 +177,18 @@ def _grammar_libraries_cli(engine: Any, args: argparse.Namespace, progress: Call
     results = run_grammar_library_bench(engine.tokenizer, info.vocab_size, sorted(info.eos_token_ids), progress)
     print(format_grammar_libraries(results))
     _write_report(args.out, {"grammar_libraries": [dataclasses.asdict(r) for r in results]})
+    return 0
+
+
+def _guidellm_cli(engine: Any, args: argparse.Namespace, concurrency: list[int],
+                  progress: Callable[[str], None]) -> int:
+    from pipelines.bench.guidellm_serving import GuidellmBench, format_guidellm, run_guidellm_bench
+
+    n = concurrency[0] if concurrency else 8
+    bench = GuidellmBench(concurrency=n, requests=4 * n, output_tokens=min(args.new_tokens, 64))
+    report = {"guidellm": run_guidellm_bench(engine, bench, progress=progress)}
+    print(format_guidellm(report["guidellm"]))
+    _write_report(args.out, report)
     return 0
 
 

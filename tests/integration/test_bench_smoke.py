@@ -80,3 +80,13 @@ def test_long_prompt_bench_reports_the_streams_gaps_whole_and_chunked(capsys):
     # chunked, the long prompt's prefill spans several steps, and the streams got tokens meanwhile
     assert chunked["gap_during_ms"]["tokens"] > 0
     assert "whole prompt in one step" in format_long_prompt(report)
+
+
+def test_serve_bench_reports_the_websocket_and_in_process_rows(engine):
+    from pipelines.bench.serving import format_serve, run_serve_bench
+
+    report = run_serve_bench(engine, new_tokens=3, streams=(2,))
+    row = report["tokens_per_s"][2]
+    # the in-process side really generated (it once raised in its threads and reported 0)
+    assert row["websocket"] > 0 and row["in_process"] > 0 and row["ratio"] > 0
+    assert "| 2 |" in format_serve(report)
