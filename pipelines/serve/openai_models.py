@@ -90,7 +90,7 @@ class ChatCompletionRequest(SamplingFields):
                           "function are enforced by a grammar (one call)")
     parallel_tool_calls: bool | None = Field(None, strict=True, description="accepted; one call is generated")
     raylens: dict[str, Any] | None = Field(None, description="extension: {steer, sae_features, capture}; each off "
-                                                             "unless asked (see docs/openai-server.md)")
+                                                             "unless asked (README: the raylens object)")
 
 
 class ModPayload(BaseModel):
@@ -122,7 +122,7 @@ class CompletionRequest(SamplingFields):
                                              "alternatives")
     echo: bool = Field(False, strict=True)
     raylens: dict[str, Any] | None = Field(None, description="extension: {steer, sae_features, capture}; each off "
-                                                             "unless asked (see docs/openai-server.md)")
+                                                             "unless asked (README: the raylens object)")
 
 
 #: the most inputs one embeddings request may hold
