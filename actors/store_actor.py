@@ -28,6 +28,9 @@ _QUERIES = {
     "threshold_search": queries.threshold_search,
     "top_features": queries.top_features,
     "top_activating_tokens": queries.top_activating_tokens,
+    # the feature browser's questions (pipelines/serve/features_api.py under Ray Serve)
+    **{name: getattr(queries, name) for name in ("feature_frequency", "feature_histogram", "feature_contexts",
+                                                 "recent_requests", "request_info", "request_tokens")},
 }
 
 

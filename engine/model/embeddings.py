@@ -41,7 +41,7 @@ __all__ = ["Pool", "POOLS", "WIDTH_MULTIPLE", "embed", "tokenize_texts", "batche
 Pool = Literal["mean", "last"]
 POOLS: tuple[str, ...] = ("mean", "last")
 WIDTH_MULTIPLE = 8  # CPU sgemm micro-kernels tile rows by 4/8: full tiles keep each row's rounding
-_FINAL = HookName(None, "ln_final.hook_normalized")
+_FINAL = HookName(None, "ln_final.hook_weighted")  # what lm_head reads
 
 
 def tokenize_texts(tokenizer: Any, texts: Sequence[str], max_context: int) -> list[list[int]]:

@@ -9,8 +9,25 @@ Each hook also has a :class:`HookSpec`: what the tensor is, its shape for one se
 tokens (batch dimension dropped; ``d`` hidden size, ``h`` query heads, ``g`` key/value heads,
 ``hd`` head size, ``m`` MLP width) and the name llama.cpp's graph gives the same tensor, so a
 capture can be compared with a llama.cpp eval-callback dump (llama.cpp appends ``-{layer}`` to
-per-layer names). Two spellings go beyond TransformerLens: ``attn.cache_k``/``attn.cache_v``, the
-keys and values as the KV cache holds them after the forward pass.
+per-layer names).
+
+Every name TransformerLens' ``HookedTransformer`` also defines holds the tensor it holds there, for
+a model loaded with no weight processing (``fold_ln``, centring and the rest off), and CI compares
+them (tests/integration/test_transformer_lens_parity.py). In particular ``ln*.hook_normalized`` is
+the RMSNorm output *before* its weight, as in TransformerLens; the weighted output, what the next
+projection reads, is ``ln*.hook_weighted``, a name TransformerLens lacks. Names beyond
+TransformerLens: ``ln*.hook_weighted``, and ``attn.cache_k``/``attn.cache_v``, the keys and values
+as the KV cache holds them after the pass. TransformerLens names raylens lacks:
+``attn.hook_attn_scores`` (pre-softmax scores), ``unembed.hook_in``/``hook_out`` (the same tensors
+as ``ln_final.hook_weighted`` and the logits) and ``mlp.hook_in``/``attn.hook_*_input`` (off
+unless TransformerLens is told to split its inputs).
+
+One name, two tensors at the top: the last block's ``hook_resid_post`` is the residual stream
+before the final norm in named capture (as in TransformerLens), but a generation *step*'s capture
+of the last layer (mod events, the SAE hand-off, :mod:`engine.model.capture`) reads transformers'
+``hidden_states``, whose last entry is after the final norm, weight applied: the step tensor of
+the last layer equals named capture's ``ln_final.hook_weighted``. Every other layer is the same
+tensor on both paths.
 """
 
 from __future__ import annotations
@@ -39,8 +56,11 @@ class HookSpec:
 # In forward order. Per-layer hooks are relative to ``blocks.{L}.``.
 _BLOCK_SPECS: dict[str, HookSpec] = {
     "hook_resid_pre": HookSpec("(T, d)", "residual stream entering the block (the previous block's output)", None),
-    "ln1.hook_normalized": HookSpec("(T, d)", "input RMSNorm output, weight applied: what q/k/v project",
-                                    "attn_norm"),
+    "ln1.hook_scale": HookSpec("(T, 1)", "input RMSNorm's divisor sqrt(mean(x^2) + eps) of the residual stream",
+                               None),
+    "ln1.hook_normalized": HookSpec("(T, d)", "input RMSNorm output before its weight: resid_pre / ln1.hook_scale",
+                                    None),
+    "ln1.hook_weighted": HookSpec("(T, d)", "input RMSNorm output, weight applied: what q/k/v project", "attn_norm"),
     "attn.hook_q": HookSpec("(T, h, hd)", "queries, q_proj output split into heads, before RoPE", "Qcur"),
     "attn.hook_k": HookSpec("(T, g, hd)", "keys, k_proj output split into key/value heads, before RoPE", "Kcur"),
     "attn.hook_v": HookSpec("(T, g, hd)", "values, v_proj output split into key/value heads", "Vcur"),
@@ -53,8 +73,14 @@ _BLOCK_SPECS: dict[str, HookSpec] = {
     "attn.hook_z": HookSpec("(T, h, hd)", "attention-weighted values per head, before o_proj", "kqv_out"),
     "hook_attn_out": HookSpec("(T, d)", "attention output after o_proj, before the residual add", "attn_out"),
     "hook_resid_mid": HookSpec("(T, d)", "residual stream after adding the attention output", "ffn_inp"),
-    "ln2.hook_normalized": HookSpec("(T, d)", "post-attention RMSNorm output, weight applied: the MLP input",
-                                    "ffn_norm"),
+    "ln2.hook_scale": HookSpec("(T, 1)", "post-attention RMSNorm's divisor sqrt(mean(x^2) + eps) of resid_mid",
+                               None),
+    "ln2.hook_normalized": HookSpec("(T, d)", "post-attention RMSNorm output before its weight: "
+                                    "resid_mid / ln2.hook_scale", None),
+    "ln2.hook_weighted": HookSpec("(T, d)", "post-attention RMSNorm output, weight applied: the MLP input",
+                                  "ffn_norm"),
+    "mlp.hook_pre": HookSpec("(T, m)", "gate_proj output, before the activation", "ffn_gate"),
+    "mlp.hook_pre_linear": HookSpec("(T, m)", "up_proj output (the linear half of the gated MLP)", "ffn_up"),
     "mlp.hook_post": HookSpec("(T, m)", "gated activation silu(gate_proj x) * up_proj x, before down_proj",
                               "ffn_swiglu"),
     "hook_mlp_out": HookSpec("(T, d)", "MLP output after down_proj, before the residual add", "ffn_out"),
@@ -62,8 +88,12 @@ _BLOCK_SPECS: dict[str, HookSpec] = {
 }
 _GLOBAL_SPECS: dict[str, HookSpec] = {
     "hook_embed": HookSpec("(T, d)", "token embeddings: the residual stream entering block 0", "inp_embd"),
-    "ln_final.hook_normalized": HookSpec("(T, d)", "final RMSNorm output, weight applied: what lm_head reads",
-                                         "result_norm"),
+    "ln_final.hook_scale": HookSpec("(T, 1)", "final RMSNorm's divisor sqrt(mean(x^2) + eps) of the last "
+                                    "block's output", None),
+    "ln_final.hook_normalized": HookSpec("(T, d)", "final RMSNorm output before its weight: the last block's "
+                                         "hook_resid_post / ln_final.hook_scale", None),
+    "ln_final.hook_weighted": HookSpec("(T, d)", "final RMSNorm output, weight applied: what lm_head reads",
+                                       "result_norm"),
 }
 HOOK_SPECS: dict[str, HookSpec] = {**_BLOCK_SPECS, **_GLOBAL_SPECS}
 
@@ -110,7 +140,7 @@ def hook_spec(name: HookName | str) -> HookSpec:
 def _forward_order(num_layers: int) -> list[HookName]:
     names = [HookName(None, "hook_embed")]
     names += [HookName(layer, hook) for layer in range(num_layers) for hook in BLOCK_HOOKS]
-    return names + [HookName(None, "ln_final.hook_normalized")]
+    return names + [HookName(None, hook) for hook in GLOBAL_HOOKS if hook != "hook_embed"]
 
 
 def expand_hook_names(patterns: Iterable[str], num_layers: int) -> list[HookName]:

@@ -4,7 +4,7 @@ Names are the TransformerLens vocabulary of :mod:`engine.model.hook_names` (with
 for each tensor in its :class:`~engine.model.hook_names.HookSpec`). :func:`taps_of` walks a
 Llama-family transformers model once, when the backend loads it (``embed_tokens``,
 ``layers[L].{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
-mlp.down_proj}``, ``norm``), and records, for every name, the :class:`Read` points it needs: a
+mlp.{gate,up,down}_proj}``, ``norm``), and records, for every name, the :class:`Read` points it needs: a
 module, before (``pre``) or after (``post``) it runs, and which argument or output holds the
 tensor. Every consumer of internals that needs module hooks goes through the table — named
 capture, embeddings, SAE-training collection and steering (a *write* tap) — so a name is parsed
@@ -27,7 +27,10 @@ Some names are derived from several reads: ``attn.hook_q/k/v/z`` reshape a proje
 output into heads; ``attn.hook_rot_q/rot_k`` apply the model's own ``apply_rotary_pos_emb`` to the
 projections with the ``position_embeddings`` the attention module was handed; ``attn.hook_pattern``
 is the softmax of those with the module's mask (the model keeps SDPA, never eager); and
-``attn.cache_k/cache_v`` are read from the forward's ``DynamicCache`` afterwards.
+``attn.cache_k/cache_v`` are read from the forward's ``DynamicCache`` afterwards; an RMSNorm's
+``hook_scale`` and ``hook_normalized`` (before its weight, TransformerLens' meaning) are computed
+from the norm's input with its own epsilon, because transformers' RMSNorm applies its weight in
+the same expression.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class Read:
 
 
 # How a name's tensor is formed from its reads.
-Derive = Literal["raw", "heads", "rot_q", "rot_k", "pattern", "cache_k", "cache_v"]
+Derive = Literal["raw", "heads", "rot_q", "rot_k", "pattern", "cache_k", "cache_v", "rms_scale", "rms_normalized"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,9 @@ def _attention_inputs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
 # Per block: name -> (reads, derive). Reads are points of the table below.
 _BLOCK_TAPS: dict[str, tuple[tuple[str, ...], Derive]] = {
     "hook_resid_pre": (("resid_pre",), "raw"),
-    "ln1.hook_normalized": (("ln1",), "raw"),
+    "ln1.hook_scale": (("ln1_in",), "rms_scale"),
+    "ln1.hook_normalized": (("ln1_in",), "rms_normalized"),
+    "ln1.hook_weighted": (("ln1",), "raw"),
     "attn.hook_q": (("q",), "heads"),
     "attn.hook_k": (("k",), "heads"),
     "attn.hook_v": (("v",), "heads"),
@@ -114,10 +119,21 @@ _BLOCK_TAPS: dict[str, tuple[tuple[str, ...], Derive]] = {
     "attn.hook_z": (("z",), "heads"),
     "hook_attn_out": (("attn_out",), "raw"),
     "hook_resid_mid": (("resid_mid",), "raw"),
-    "ln2.hook_normalized": (("ln2",), "raw"),
+    "ln2.hook_scale": (("resid_mid",), "rms_scale"),
+    "ln2.hook_normalized": (("resid_mid",), "rms_normalized"),
+    "ln2.hook_weighted": (("ln2",), "raw"),
+    "mlp.hook_pre": (("mlp_gate",), "raw"),
+    "mlp.hook_pre_linear": (("mlp_up",), "raw"),
     "mlp.hook_post": (("mlp_post",), "raw"),
     "hook_mlp_out": (("mlp_out",), "raw"),
     "hook_resid_post": (("resid_post",), "raw"),
+}
+
+
+_FINAL_TAPS: dict[str, tuple[str, Derive]] = {
+    "hook_scale": ("final_in", "rms_scale"),
+    "hook_normalized": ("final_in", "rms_normalized"),
+    "hook_weighted": ("final", "raw"),
 }
 
 
@@ -126,6 +142,7 @@ def _block_reads(layer: int, block: Any) -> list[Read]:
     k = lambda point: ReadKey(layer, point)  # noqa: E731
     return [
         Read(k("resid_pre"), block, "pre", _hidden_arg),
+        Read(k("ln1_in"), block.input_layernorm, "pre", _hidden_arg),
         Read(k("ln1"), block.input_layernorm, "post", _first, writable=True),
         Read(k("q"), attn.q_proj, "post", _first, writable=True),
         Read(k("k"), attn.k_proj, "post", _first, writable=True),
@@ -135,6 +152,8 @@ def _block_reads(layer: int, block: Any) -> list[Read]:
         Read(k("attn_out"), attn, "post", _first, writable=True),
         Read(k("resid_mid"), block.post_attention_layernorm, "pre", _hidden_arg),
         Read(k("ln2"), block.post_attention_layernorm, "post", _first, writable=True),
+        Read(k("mlp_gate"), mlp.gate_proj, "post", _first, writable=True),
+        Read(k("mlp_up"), mlp.up_proj, "post", _first, writable=True),
         Read(k("mlp_post"), mlp.down_proj, "pre", _hidden_arg),
         Read(k("mlp_out"), mlp, "post", _first, writable=True),
         Read(k("resid_post"), block, "post", _first, writable=True),
@@ -172,6 +191,8 @@ class Recording:
         name, derive = tap.name, tap.derive
         if derive == "raw":
             return self.raw[tap.reads[0]]
+        if derive in ("rms_scale", "rms_normalized"):
+            return self._rms(tap, derive)
         layer: int = name.layer  # type: ignore[assignment]  (every derived tap is per block)
         attn = self.taps.base.layers[layer].self_attn
         if derive == "heads":
@@ -196,6 +217,19 @@ class Recording:
                                       attn.scaling, attn.num_key_value_groups, newest_row_only=False)
                     .reshape(heads, q_len, kv_len) for b in range(rot_q.shape[0])]
         return torch.stack(patterns)  # (B, h, T, T) float32
+
+    def _rms(self, tap: Tap, derive: Derive) -> torch.Tensor:
+        """An RMSNorm's divisor ``(B, T, 1)`` or its output before the weight ``(B, T, d)``, from the
+        norm's input with the norm's own epsilon and float32 upcast (transformers' RMSNorm has no
+        point between the division and the weight to hook)."""
+        key = tap.reads[0]
+        norm = self.taps.reads[key].module  # the read is the norm's own input
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        x = self.raw[key]
+        variance = x.float().pow(2).mean(-1, keepdim=True) + eps
+        if derive == "rms_scale":
+            return variance.sqrt().to(x.dtype)
+        return (x.float() * torch.rsqrt(variance)).to(x.dtype)
 
     def _rotate(self, attn: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q/k after RoPE, exactly as the attention module computes them: ``(B, heads, T, hd)``."""
@@ -225,7 +259,8 @@ class Taps:
         self.base = base
         self.num_layers = len(base.layers)
         reads = [Read(ReadKey(None, "hook_embed"), base.embed_tokens, "post", _first, writable=True),
-                 Read(ReadKey(None, "ln_final.hook_normalized"), base.norm, "post", _first, writable=True)]
+                 Read(ReadKey(None, "final_in"), base.norm, "pre", _hidden_arg),
+                 Read(ReadKey(None, "final"), base.norm, "post", _first, writable=True)]
         for layer, block in enumerate(base.layers):
             reads += _block_reads(layer, block)
         self.reads: dict[ReadKey, Read] = {read.key: read for read in reads}
@@ -234,8 +269,8 @@ class Taps:
             for hook in BLOCK_HOOKS:  # the vocabulary's forward order; a hook without a tap fails here
                 points, derive = _BLOCK_TAPS[hook]
                 taps.append(Tap(HookName(layer, hook), tuple(ReadKey(layer, p) for p in points), derive))
-        taps.append(Tap(HookName(None, "ln_final.hook_normalized"), (ReadKey(None, "ln_final.hook_normalized"),),
-                        "raw"))
+        taps += [Tap(HookName(None, f"ln_final.{hook}"), (ReadKey(None, point),), derive)
+                 for hook, (point, derive) in _FINAL_TAPS.items()]
         self.taps: dict[HookName, Tap] = {tap.name: tap for tap in taps}  # forward order
         assert len(self.taps) == self.num_layers * len(BLOCK_HOOKS) + len(GLOBAL_HOOKS)
 

@@ -30,11 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylens", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from . import (bench_command, generation_commands, internals_commands, ray_commands, serve_command,
-                   store_commands)
+    from . import (bench_command, generation_commands, internals_commands, ray_commands, sae_eval_command,
+                   serve_command, store_commands)
 
     for group in (generation_commands, bench_command, internals_commands, serve_command, store_commands,
-                  ray_commands):
+                  ray_commands, sae_eval_command):
         group.add_commands(sub)
     return parser
 

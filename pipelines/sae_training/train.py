@@ -19,6 +19,11 @@ iterator over shuffled activations. The last sequences of every kind of text are
 give the reported explained variance, L0 and dead-feature fraction, overall and per kind, measured
 on the SAE *as saved* (float16 weights, loaded as float32). The report also records the corpus
 mix, every source's package, version and licence, and the weights file's size and SHA-256.
+
+The report also carries sae-lens' own evaluation (``sae_lens.evals.run_evals``, through
+:mod:`engine.services.sae_eval`) of the saved SAE on each kind's held-out sequences: CE-loss and KL
+scores with the reconstruction spliced into the forward pass, explained variance, L0, and dead and
+dense fractions, the figures SAE users compare (``raylens sae-eval`` computes them for any texts).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any, Iterator
 
 from pipelines.sae_training.corpus import DEFAULT_CACHE
 
-__all__ = ["TrainConfig", "collect_activations", "train", "evaluate", "main"]
+__all__ = ["TrainConfig", "collect_activations", "train", "evaluate", "sae_lens_evals", "main"]
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "engine" / "assets" / "saes" / "smollm2-135m-instruct-l16"
 
@@ -58,6 +63,10 @@ class TrainConfig:
     sink_ratio: float = 10.0  # rows with a norm above this × the median are attention sinks: left out
     code_repeat: int = 2  # code activations appear this many times per training epoch (the smallest kind)
     save_dtype: str = "float16"  # keeps the committed SAE under 15 MB
+    # sae-lens' run_evals on each kind's held-out sequences: eval_batches x eval_batch_prompts rows
+    eval_context_size: int = 128
+    eval_batch_prompts: int = 4
+    eval_batches: int = 4
 
 
 # ---------------------------------------------------------------------------------- collection
@@ -146,6 +155,27 @@ def evaluate(sae: Any, acts: Any, batch: int = 4096) -> SAEReport:
     return SAEReport(1.0 - sse / sst, l0 / acts.shape[0], float((~fired).float().mean()), int(acts.shape[0]))
 
 
+def sae_lens_evals(sae: Any, model_path: str, tokenizer: Any, held_out: dict[str, list[list[int]]],
+                   settings: Any = None) -> dict[str, Any]:
+    """sae-lens' ``run_evals`` figures of ``sae`` on each kind's held-out sequences (a kind with
+    too few tokens for the settings is reported as skipped, with the reason)."""
+    from engine.errors import InvalidRequestError
+    from engine.services.sae_eval import (SAEEvalSettings, hooked_transformer, rows_from_sequences, run_sae_lens_evals,
+                                          separator_id)
+
+    settings = settings or SAEEvalSettings()
+    model = hooked_transformer(model_path, tokenizer)
+    by_kind: dict[str, Any] = {}
+    for kind, sequences in held_out.items():
+        try:
+            rows = rows_from_sequences(sequences, settings, separator_id(tokenizer))
+        except InvalidRequestError as err:
+            by_kind[kind] = {"skipped": str(err)}
+            continue
+        by_kind[kind] = run_sae_lens_evals(sae, model, rows, settings, text=kind)[0].as_dict()
+    return {"settings": asdict(settings), "by_kind": by_kind}
+
+
 def feature_examples(sae: Any, acts: Any, where: list[tuple[int, int]], sequences: list[list[int]], tokenizer: Any,
                      features: int = 6, top: int = 5) -> list[dict[str, Any]]:
     """The held-out tokens that activate a few of the most frequent features most strongly;
@@ -177,7 +207,7 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="raylens train-sae", description=__doc__.splitlines()[0])
     for name in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed", "train_batch", "dead_window",
-                 "code_repeat"):
+                 "code_repeat", "eval_context_size", "eval_batch_prompts", "eval_batches"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--holdout", type=float, default=defaults.holdout, help="held-out share of every kind of text")
@@ -192,7 +222,8 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     args = p.parse_args(argv)
     cfg = TrainConfig(**{k: getattr(args, k) for k in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed",
                                                          "train_batch", "lr", "holdout", "corpus", "dead_window",
-                                                         "aux_coefficient", "sink_ratio", "code_repeat")})
+                                                         "aux_coefficient", "sink_ratio", "code_repeat",
+                                                         "eval_context_size", "eval_batch_prompts", "eval_batches")})
     return cfg, args
 
 
@@ -219,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     from sae_lens import SAE
 
     from engine.config import load_config
-    from engine.model.loading import load_model_and_tokenizer
+    from engine.model.loading import load_model_and_tokenizer, resolve_model_path
+    from engine.services.sae_eval import SAEEvalSettings
     from pipelines.sae_training.corpus import build_corpus
 
     cfg, args = _parse(argv)
@@ -268,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         by_kind[kind] = asdict(evaluate(saved, held_acts[held_row_kind == kind_id]))
     where = [divmod(int(row), per_seq) for row in held_rows]
     examples = feature_examples(saved, held_acts, [(seq, pos + 1) for seq, pos in where], sequences, tokenizer)
+    held_sequences = {kind: [seq for seq, k, h in zip(sequences, kinds, held) if h and k == kind] for kind in kind_ids}
+    eval_settings = SAEEvalSettings(context_size=cfg.eval_context_size, batch_prompts=cfg.eval_batch_prompts,
+                                    batches=cfg.eval_batches)
+    evals = sae_lens_evals(saved, resolve_model_path(backend_cfg.model_id, backend_cfg.model_cache_dir), tokenizer,
+                           held_sequences, eval_settings)
     weights = args.out / "sae_weights.safetensors"
     summary = {
         "model": backend_cfg.model_id,
@@ -282,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "goals": {"explained_variance_min": 0.85, "l0_max": 64, "dead_fraction_max": 0.05},
         "heldout": asdict(report),
         "heldout_by_kind": by_kind,
+        "sae_lens_evals": evals,
         "weights": {"file": weights.name, "size_bytes": weights.stat().st_size, "sha256": _sha256(weights)},
         "size_bytes": sum(p.stat().st_size for p in args.out.iterdir()
                           if p.is_file() and p.name != "training_report.json"),

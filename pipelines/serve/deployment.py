@@ -43,15 +43,17 @@ class _Ingress:
     """The replica: connects to the config's GeneratorActor once, then serves :func:`app.build_app`."""
 
     def __init__(self, config: RaylensConfig, settings: ServeSettings) -> None:
+        from .features_api import StoreActorReader
         from .remote_engine import RemoteEngine
 
         self.engine = RemoteEngine.connect(config)
+        self.store = StoreActorReader.of_config(config)  # the feature browser asks the actor that owns the file
         self.settings = settings
 
     def __serve_build_asgi_app__(self) -> Any:
         from .app import build_app
 
-        return build_app(self.engine, self.settings)
+        return build_app(self.engine, self.settings, store=self.store)
 
 
 def build_deployment(config: RaylensConfig, settings: ServeSettings) -> Any:

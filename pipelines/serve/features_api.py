@@ -8,8 +8,11 @@ has a Neuronpedia id. ``GET /api/v1/requests``: the newest requests. ``GET
 ``?feature=`` that feature's activation at every token (0 where it is not in the top-k).
 
 Every answer is bounded (at most ``MAX_BROWSE_ROWS`` contexts, requests or tokens). The routes
-read through the store's own connection (:class:`~engine.services.store.ActivationStore`, one
-cursor per thread), with the questions of :mod:`engine.services.queries`. Token text comes from
+ask the questions of :mod:`engine.services.queries`, by name, of whoever holds the store: in
+process, the store's own connection (:class:`~engine.services.store.ActivationStore`, one cursor
+per thread); under Ray Serve, the StoreActor that owns the file (:class:`StoreActorReader`: DuckDB
+lets no other process open a file its writer holds, not even read-only), within
+``ray.call_timeout_s`` (else ``UNAVAILABLE``, retryable). Token text comes from
 a tokenizer when the server has one; otherwise ``text`` is null and the page shows the id.
 Errors: ``NO_STORE`` when the server has no store, ``NOT_FOUND`` for a request the store does not
 know, ``INVALID_REQUEST`` for an id or limit out of range.
@@ -18,7 +21,7 @@ know, ``INVALID_REQUEST`` for an id or limit out of range.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from fastapi import APIRouter, Query, Request
 
@@ -28,11 +31,51 @@ from engine.services.queries import MAX_BROWSE_ROWS
 
 from .errors import ApiError, ErrorCode, api_error_from
 
-__all__ = ["router", "FeatureSource", "neuronpedia_ids_from_registry"]
+__all__ = ["router", "FeatureSource", "StoreActorReader", "BROWSE_QUESTIONS", "neuronpedia_ids_from_registry"]
 
 router = APIRouter(prefix="/api/v1", tags=["features"])
 
 MAX_REQUEST_ID_CHARS = 512
+#: The questions the routes ask (functions of :mod:`engine.services.queries`, by name).
+BROWSE_QUESTIONS = ("feature_frequency", "feature_histogram", "feature_contexts", "recent_requests", "request_info",
+                    "request_tokens", "feature_deltas")
+
+
+class StoreActorReader:
+    """The store as the StoreActor that owns its file answers it: ``ask(question, …)`` runs
+    ``engine.services.queries.<question>`` in the actor (``StoreActor.query``) and returns its
+    Arrow table. The actor's typed errors come back as they were raised there."""
+
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_s = float(timeout_s)
+
+    @classmethod
+    def of_config(cls, config: Any) -> "StoreActorReader":
+        """The reader of ``config``'s StoreActor, found by name (the cluster must be connected and
+        the actor started, as :func:`pipelines.cluster.topology.build_topology` does)."""
+        import ray
+
+        from pipelines.cluster.actor_specs import STORE, actor_roles
+
+        handle = ray.get_actor(actor_roles(config)[STORE], namespace=config.ray.namespace)
+        return cls(handle, config.ray.call_timeout_s)
+
+    def ask(self, question: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(self.handle.query.remote(question, *args, **kwargs), timeout=self.timeout_s)
+        except RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, RaylensError):
+                raise cause from None
+            raise
+        except (GetTimeoutError, RayActorError) as err:  # ActorUnavailableError is a RayActorError
+            raise ApiError(ErrorCode.UNAVAILABLE, f"the activation store (its StoreActor) must answer within "
+                                                  f"ray.call_timeout_s = {self.timeout_s:g} s, got "
+                                                  f"{type(err).__name__}; retry shortly") from None
 
 
 def neuronpedia_ids_from_registry() -> dict[str, str]:
@@ -54,10 +97,16 @@ class FeatureSource:
     token text (optional), and where feature pages live on Neuronpedia (off unless ``neuronpedia_url``
     is set; ``neuronpedia_ids`` maps a stored ``sae_release`` to its ``<model>/<sae>`` template)."""
 
-    store: Any = None
+    store: Any = None  # an ActivationStore, or a StoreActorReader
     tokenizer: Any = None
     neuronpedia_url: str | None = None
     neuronpedia_ids: Mapping[str, str] = field(default_factory=dict)
+
+    def ask(self, question: str, *args: Any, **kwargs: Any) -> Any:
+        """``queries.<question>(store, …)`` as an Arrow table, wherever the store is held."""
+        if isinstance(self.store, StoreActorReader):
+            return self.store.ask(question, *args, **kwargs)
+        return getattr(queries, question)(self.store, *args, **kwargs)
 
     def text(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -80,10 +129,10 @@ def _source(request: Request) -> FeatureSource:
     return source
 
 
-def _ask(question: Callable[..., Any], *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+def _ask(source: FeatureSource, question: str, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
     """A question's rows; the store's typed errors (an id out of range) become coded API errors."""
     try:
-        return question(*args, **kwargs).to_pylist()
+        return source.ask(question, *args, **kwargs).to_pylist()
     except RaylensError as err:
         raise api_error_from(err) from None
 
@@ -96,11 +145,10 @@ def _tokens(source: FeatureSource, ids: list[int], start: int) -> list[dict[str,
 def feature(request: Request, feature_id: int, limit: int = Query(20, ge=1, le=MAX_BROWSE_ROWS),
             window: int = Query(8, ge=0, le=64), buckets: int = Query(20, ge=1, le=200)) -> dict[str, Any]:
     source = _source(request)
-    store = source.store
-    freq = _ask(queries.feature_frequency, store, feature_id)[0]
-    histogram = _ask(queries.feature_histogram, store, feature_id, buckets=buckets)
+    freq = _ask(source, "feature_frequency", feature_id)[0]
+    histogram = _ask(source, "feature_histogram", feature_id, buckets=buckets)
     contexts, links = [], {}
-    for row in _ask(queries.feature_contexts, store, feature_id, limit=limit, window=window):
+    for row in _ask(source, "feature_contexts", feature_id, limit=limit, window=window):
         ids, start = row["context_ids"] or [], row["context_start"]
         offset = row["token_position"] - start
         if not ids or offset >= len(ids) or ids[offset] != row["token_id"]:
@@ -125,7 +173,7 @@ def feature(request: Request, feature_id: int, limit: int = Query(20, ge=1, le=M
 
 @router.get("/requests")
 def requests(request: Request, limit: int = Query(50, ge=1, le=MAX_BROWSE_ROWS)) -> dict[str, Any]:
-    rows = _ask(queries.recent_requests, _source(request).store, limit=limit)
+    rows = _ask(_source(request), "recent_requests", limit=limit)
     for row in rows:
         row["created_at"] = row["created_at"].isoformat() if row["created_at"] else None
     return {"requests": rows}
@@ -138,15 +186,15 @@ def request_detail(request: Request, request_id: str, feature: int | None = Quer
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ApiError(ErrorCode.INVALID_REQUEST, f"`request_id` must be at most {MAX_REQUEST_ID_CHARS} "
                                                   f"characters, got {len(request_id)}.", "request_id")
-    info = _ask(queries.request_info, source.store, request_id)
+    info = _ask(source, "request_info", request_id)
     if not info:
         raise ApiError(ErrorCode.NOT_FOUND, f"`request_id` must name a request in the store, got {request_id!r}; "
                                             "GET /api/v1/requests lists the newest.", "request_id")
     record = info[0]
-    rows = _ask(queries.request_tokens, source.store, request_id, top=top)
+    rows = _ask(source, "request_tokens", request_id, top=top)
     chosen: dict[tuple[int, int], float] = {}
     if feature is not None:
-        for row in _ask(queries.feature_deltas, source.store, request_id, feature):
+        for row in _ask(source, "feature_deltas", request_id, feature):
             chosen[(row["step"], row["token_position"])] = row["activation"]
     tokens = []
     for row in _final_tokens(rows, record):

@@ -72,7 +72,7 @@ def _all_hooks(model) -> dict[str, tuple]:
 def test_capture_covers_every_internal_in_forward_order(full, model, ids):
     cfg = model.config
     assert len(full) == cfg.num_hidden_layers * len(BLOCK_HOOKS) + len(GLOBAL_HOOKS)
-    assert next(iter(full)) == "hook_embed" and list(full)[-1] == "ln_final.hook_normalized"
+    assert next(iter(full)) == "hook_embed" and list(full)[-1] == "ln_final.hook_weighted"
     T, h, g = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads
     hd = cfg.hidden_size // h
     assert full["blocks.2.attn.hook_q"].shape == (T, h, hd)
@@ -89,7 +89,7 @@ def test_capture_resid_post_matches_output_hidden_states(full, model, ids):
     for layer in range(last):  # transformers' entry for the last layer is after the final norm
         drift[f"blocks.{layer}.hook_resid_post"] = _worst(full[f"blocks.{layer}.hook_resid_post"],
                                                           hidden[hidden_states_index(layer)][0])
-    drift["ln_final.hook_normalized"] = _worst(full["ln_final.hook_normalized"], hidden[hidden_states_index(last)][0])
+    drift["ln_final.hook_weighted"] = _worst(full["ln_final.hook_weighted"], hidden[hidden_states_index(last)][0])
     name, worst = max(drift.items(), key=lambda kv: kv[1])
     assert worst <= FP32_NOISE_TOL, f"{name} differs from output_hidden_states by {worst:.3g} > {FP32_NOISE_TOL}"
     # the residual stream is continuous: one block's output is the next block's input
@@ -132,14 +132,16 @@ def test_capture_block_matches_its_computation_by_hand(full, model, layer):
     hd, T = cfg.hidden_size // h, full["hook_embed"].shape[0]
     c = lambda hook: full[f"blocks.{layer}.{hook}"]  # noqa: E731
 
-    def rms(x, weight):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * weight
+    def scale(x):
+        return (x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps).sqrt()
 
     with torch.inference_mode():
-        ln1 = rms(c("hook_resid_pre"), block.input_layernorm.weight)
-        q = (c("ln1.hook_normalized") @ attn.q_proj.weight.T).view(T, h, hd)
-        k = (c("ln1.hook_normalized") @ attn.k_proj.weight.T).view(T, g, hd)
-        v = (c("ln1.hook_normalized") @ attn.v_proj.weight.T).view(T, g, hd)
+        ln1_scale = scale(c("hook_resid_pre"))
+        ln1_normalized = c("hook_resid_pre") / c("ln1.hook_scale")
+        ln1 = c("ln1.hook_normalized") * block.input_layernorm.weight
+        q = (c("ln1.hook_weighted") @ attn.q_proj.weight.T).view(T, h, hd)
+        k = (c("ln1.hook_weighted") @ attn.k_proj.weight.T).view(T, g, hd)
+        v = (c("ln1.hook_weighted") @ attn.v_proj.weight.T).view(T, g, hd)
         rot_q, rot_k = _rope_by_hand(c("attn.hook_q"), rope["rope_theta"]), _rope_by_hand(c("attn.hook_k"),
                                                                                             rope["rope_theta"])
         keys = c("attn.hook_rot_k").repeat_interleave(h // g, dim=1)  # (T, h, hd)
@@ -148,16 +150,21 @@ def test_capture_block_matches_its_computation_by_hand(full, model, layer):
         z = torch.einsum("hqk,khd->qhd", c("attn.hook_pattern"), c("attn.hook_v").repeat_interleave(h // g, dim=1))
         attn_out = c("attn.hook_z").reshape(T, h * hd) @ attn.o_proj.weight.T
         resid_mid = c("hook_resid_pre") + c("hook_attn_out")
-        ln2 = rms(c("hook_resid_mid"), block.post_attention_layernorm.weight)
-        ln2_in = c("ln2.hook_normalized")
-        mlp_post = torch.nn.functional.silu(ln2_in @ mlp.gate_proj.weight.T) * (ln2_in @ mlp.up_proj.weight.T)
+        ln2_scale = scale(c("hook_resid_mid"))
+        ln2_normalized = c("hook_resid_mid") / c("ln2.hook_scale")
+        ln2 = c("ln2.hook_normalized") * block.post_attention_layernorm.weight
+        ln2_in = c("ln2.hook_weighted")
+        gate, up = ln2_in @ mlp.gate_proj.weight.T, ln2_in @ mlp.up_proj.weight.T
+        mlp_post = torch.nn.functional.silu(c("mlp.hook_pre")) * c("mlp.hook_pre_linear")
         mlp_out = c("mlp.hook_post") @ mlp.down_proj.weight.T
         resid_post = c("hook_resid_mid") + c("hook_mlp_out")
-    by_hand = {"ln1.hook_normalized": ln1, "attn.hook_q": q, "attn.hook_k": k, "attn.hook_v": v,
+    by_hand = {"ln1.hook_scale": ln1_scale, "ln1.hook_normalized": ln1_normalized, "ln1.hook_weighted": ln1,
+               "attn.hook_q": q, "attn.hook_k": k, "attn.hook_v": v,
                "attn.hook_rot_q": rot_q, "attn.hook_rot_k": rot_k, "attn.cache_k": c("attn.hook_rot_k"),
                "attn.cache_v": c("attn.hook_v"), "attn.hook_pattern": pattern, "attn.hook_z": z,
-               "hook_attn_out": attn_out, "hook_resid_mid": resid_mid, "ln2.hook_normalized": ln2,
-               "mlp.hook_post": mlp_post, "hook_mlp_out": mlp_out, "hook_resid_post": resid_post}
+               "hook_attn_out": attn_out, "hook_resid_mid": resid_mid, "ln2.hook_scale": ln2_scale,
+               "ln2.hook_normalized": ln2_normalized, "ln2.hook_weighted": ln2, "mlp.hook_pre": gate,
+               "mlp.hook_pre_linear": up, "mlp.hook_post": mlp_post, "hook_mlp_out": mlp_out, "hook_resid_post": resid_post}
     for hook, expected in by_hand.items():
         captured = c(hook)
         scale = max(1.0, float(expected.abs().max()))  # tolerance relative to the tensor's magnitude

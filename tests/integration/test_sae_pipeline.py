@@ -103,9 +103,17 @@ def test_the_training_pipeline_runs_end_to_end_on_a_small_budget(engine, tmp_pat
 
     out = tmp_path / "sae"
     assert main(["--corpus", "cpython", "--tokens", "6000", "--width", "256", "--k", "8", "--train-batch", "512",
-                 "--epochs", "2", "--out", str(out)]) == 0
+                 "--epochs", "2", "--eval-context-size", "32", "--eval-batch-prompts", "2", "--eval-batches", "1",
+                 "--out", str(out)]) == 0
     report = json.loads((out / "training_report.json").read_text())
     assert report["train_tokens"] > 4000 and 0 < report["heldout"]["l0"] <= 8
+    # sae-lens' own evaluation of the saved SAE on the held-out sequences is in the report
+    evals = report["sae_lens_evals"]
+    assert evals["settings"]["context_size"] == 32 and evals["by_kind"]
+    for kind, figures in evals["by_kind"].items():
+        assert figures["rows"] == 2 and 0 < figures["l0"] <= 8, (kind, figures)
+        assert figures["ce_loss_with_ablation"] > figures["ce_loss_without_sae"], (kind, figures)
+        assert {"ce_loss_score", "kl_div_score", "explained_variance", "dead_fraction", "dense_fraction"} <= set(figures)
     assert report["feature_examples"] and (out / "sae_weights.safetensors").stat().st_size < 15_000_000
     info = engine.backend.info
     encoder = SAEEncoder.load(str(out), layer=16, top_k=4, model_hidden_size=info.hidden_size,

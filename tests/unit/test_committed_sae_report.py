@@ -96,3 +96,40 @@ def test_the_local_config_reads_the_committed_sae_at_its_layer(report):
     local = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "local.yaml").read_text())
     assert local["sae"]["sae_id"] == NAME and local["sae"]["layer"] == report["config"]["layer"]
     assert local["sae"]["top_k"] <= report["config"]["k"]
+
+
+# ------------------------------------------------------- sae-lens' evaluation on text outside the corpus
+
+CE_LOSS_SCORE_MIN = 0.9
+HELDOUT_TEXTS = ("raw", "chat")
+#: Measured by pipelines/sae_training/heldout_evals.py; strict, so a better SAE makes it fail until removed.
+RAW_TEXT_EV_NOT_MET = pytest.mark.xfail(
+    strict=True, reason="GNU Coding Standards paragraphs as raw text explain 0.827 of their variance, short of 0.85")
+
+
+def test_sae_lens_figures_on_text_outside_the_corpus_name_their_source_and_licence(report):
+    heldout = report["sae_lens_heldout"]
+    source = heldout["source"]
+    assert source["package"] not in {s["package"] for s in report["corpus"]["sources"]}, "must be outside the corpus"
+    assert source["version"].strip() and "GFDL" in source["licence"]
+    assert set(heldout["by_text"]) == set(HELDOUT_TEXTS)
+    settings = heldout["settings"]
+    for kind in HELDOUT_TEXTS:
+        figures = heldout["by_text"][kind]
+        assert figures["text"] == kind and figures["rows"] == settings["batches"] * settings["batch_prompts"]
+        assert figures["tokens"] == figures["rows"] * settings["context_size"] >= 2048, figures
+        # positive control of the CE-loss score: zeroing the hook must cost far more than the SAE does
+        assert figures["ce_loss_with_ablation"] > figures["ce_loss_with_sae"] >= figures["ce_loss_without_sae"] * 0.99
+
+
+@pytest.mark.parametrize("kind", HELDOUT_TEXTS)
+def test_sae_lens_ce_loss_score_sparsity_and_dead_goals_hold_outside_the_corpus(report, kind):
+    figures = report["sae_lens_heldout"]["by_text"][kind]
+    assert figures["ce_loss_score"] >= CE_LOSS_SCORE_MIN, figures
+    assert 0 < figures["l0"] <= L0_MAX, figures
+    assert figures["dead_fraction"] < DEAD_MAX, figures
+
+
+@pytest.mark.parametrize("kind", [pytest.param("raw", marks=RAW_TEXT_EV_NOT_MET), "chat"])
+def test_sae_lens_explained_variance_goal_outside_the_corpus(report, kind):
+    assert report["sae_lens_heldout"]["by_text"][kind]["explained_variance"] >= EV_MIN

@@ -18,8 +18,9 @@ def test_every_hook_has_a_spec_with_shape_and_description():
 
 
 def test_llama_cpp_names_of_the_checkpoint_tensors():
-    expected = {"ln1.hook_normalized": "attn_norm", "attn.hook_q": "Qcur", "attn.hook_k": "Kcur",
-                "attn.hook_v": "Vcur", "attn.hook_pattern": "kq_soft_max", "attn.hook_z": "kqv_out",
+    expected = {"ln1.hook_weighted": "attn_norm", "ln2.hook_weighted": "ffn_norm", "mlp.hook_pre": "ffn_gate",
+                "mlp.hook_pre_linear": "ffn_up", "ln_final.hook_weighted": "result_norm", "attn.hook_q": "Qcur",
+                "attn.hook_k": "Kcur", "attn.hook_v": "Vcur", "attn.hook_pattern": "kq_soft_max", "attn.hook_z": "kqv_out",
                 "hook_mlp_out": "ffn_out", "hook_resid_post": "l_out", "attn.cache_k": "cache_k",
                 "attn.cache_v": "cache_v"}
     assert {hook: HOOK_SPECS[hook].llama_cpp for hook in expected} == expected

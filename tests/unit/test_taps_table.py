@@ -45,7 +45,7 @@ def test_recording_every_name_gives_each_its_documented_shape(tiny):
     names = expand_hook_names(["*"], 2)
     T, d, h, g, hd, m = 5, 16, 2, 1, 8, 32
     expected = {"(T, d)": (T, d), "(T, h, hd)": (T, h, hd), "(T, g, hd)": (T, g, hd), "(h, T, T)": (h, T, T),
-                "(T, m)": (T, m)}
+                "(T, m)": (T, m), "(T, 1)": (T, 1)}
     cache = DynamicCache(config=tiny.config)
     with taps.record(names) as rec, torch.inference_mode():
         taps.base(input_ids=torch.arange(T)[None], past_key_values=cache, use_cache=True)
