@@ -2,7 +2,9 @@
 
 ::
 
-    submit ─► wait queue (bounded: back-pressure) ─► admitted between steps, up to max_batch
+    submit ─► wait queue (bounded: back-pressure) ─► admitted between steps, up to max_batch and
+           while the KV cache can reserve their tokens (prompt + max_tokens); a cached prompt
+           prefix is reused (its keys/values and captured internals), the rest is prefilled
     step:  the scheduler gives each running request its tokens for this step (decoding ones one
            each, prompts chunks of the rest of backend.max_step_tokens)
            → one backend.forward for every scheduled row → each request's on_forward
@@ -67,6 +69,7 @@ class LoopStats:
     prefill_chunks: int = 0  # forwards that fed part of a feed too long for one step's budget
     max_active: int = 0
     waits_for_room: int = 0  # submits that waited for a free place (back-pressure)
+    waits_for_blocks: int = 0  # admissions and feeds deferred until the KV cache had room
     deferred_announcements: int = 0  # steps announced after the next forward's launch
     # host time from a step's sampled ids to the next forward's launch (the device idles then)
     launch_gaps: int = 0
@@ -173,7 +176,7 @@ class StepLoop:
                     self._cond.wait()
                 if self._closing and not self._active:
                     return
-                new = self.scheduler.admit(self._waiting, len(self._active))
+                new = self.scheduler.admit(self._waiting, len(self._active), self._fits)
                 if new:
                     self._cond.notify_all()  # room in the queue for blocked submitters
             try:
@@ -194,10 +197,40 @@ class StepLoop:
             entry.machine.fail(f"{type(err).__name__}: {err}")
             return None
 
+    def _fits(self, entry: Entry, alone: bool) -> bool:
+        """Admission: the request gets its block table and reserves the tokens it may use
+        (``prompt + max_tokens``); False leaves it waiting. Alone it is admitted anyway: it
+        reserves more as it grows (:meth:`_forward`)."""
+        backend, machine = self.backend, entry.machine
+        if self._guard(entry, lambda: backend.acquire(machine.request_id) or True) is None:
+            return True  # failed: admitted only to leave with its error
+        reserve = getattr(backend, "reserve", None)
+        state = machine.state
+        if reserve is None or alone or reserve(machine.request_id, min(len(state.prompt_ids) + state.max_tokens,
+                                                                       backend.max_sequence)):
+            return True
+        backend.release(machine.request_id)
+        self.stats.waits_for_blocks += 1
+        return False
+
+    def _reuse_prefix(self, entry: Entry) -> None:
+        """A new request starts from the longest cached prefix of its prompt, when its flag (else
+        ``backend.prefix_caching``) allows and no steer changes its keys/values."""
+        reuse = getattr(self.backend, "reuse_prefix", None)
+        state = entry.machine.state
+        if reuse is None or state.finish is not None or state.steer_delta is not None:
+            return
+        flag = getattr(state.request.source, "prefix_cache", None)
+        if not (flag if flag is not None else getattr(self.backend.config, "prefix_caching", False)):
+            return
+        hit = reuse(state.request_id, state.prompt_ids, state.plan.with_all_query_rows(True))
+        if hit is not None:
+            entry.machine.reuse_prefix(*hit)
+
     def _step(self, new: list[Entry]) -> None:
         for entry in new:
-            self._guard(entry, lambda e=entry: self.backend.acquire(e.machine.request_id))
             entry.machine.start(max_sequence=self.backend.max_sequence, overlap=self.defer_announcements)
+            self._guard(entry, lambda e=entry: self._reuse_prefix(e))
             self._active.append(entry)
         for entry in self._active:
             if entry.handle.cancel_requested:
@@ -224,13 +257,22 @@ class StepLoop:
 
     def _forward(self, running: list[Entry]) -> None:
         """One forward for every running request the scheduler gives tokens this step."""
-        owners, rows = [], []
+        owners, rows, starved = [], [], []
+        reserve = getattr(self.backend, "reserve", None)
         for i, allowance in self.scheduler.schedule([e.machine for e in running]):
             entry = running[i]
             row = self._guard(entry, lambda m=entry.machine, n=allowance: m.next_forward(n))
-            if row is not None:
-                owners.append(entry)
-                rows.append(row)
+            if row is None:
+                continue
+            if reserve is not None and not reserve(row.request_id, row.start + len(row.tokens)):
+                starved.append(entry)  # outgrew its reservation: waits for blocks to free
+                continue
+            owners.append(entry)
+            rows.append(row)
+        self.stats.waits_for_blocks += len(starved)
+        if starved and not rows:  # nothing runs that could free a block: the newest gives way
+            starved[-1].machine.fail("the KV cache cannot hold this request next to the running ones (it outgrew "
+                                     "its reserved prompt + max_tokens); raise backend.kv_cache_tokens")
         if not rows:
             return
         started = time.perf_counter()
