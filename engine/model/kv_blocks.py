@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.errors import InvalidRequestError
 from engine.model.capture import CapturePlan, RowCapture
 from engine.model.kv_cache import PagedKVCache
 from engine.model.paging import BlockAllocator
@@ -147,7 +148,9 @@ class KVBlocks:
         request = self._requests[request_id]
         bs, allocator = self.block_size, self.allocator
         if start > request.length:
-            raise ValueError(f"`start` must be <= the {request.length} positions written, got {start}")
+            raise InvalidRequestError(f"`start` must be <= the {request.length} positions written for "
+                                      f"{request_id!r}, got {start}; feed positions in order", parameter="start",
+                                      value=start)
         if start < request.length:
             keep = self._blocks(start)
             for block in request.table[keep:]:
