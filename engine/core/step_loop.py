@@ -206,8 +206,11 @@ class StepLoop:
             return True  # failed: admitted only to leave with its error
         reserve = getattr(backend, "reserve", None)
         state = machine.state
-        if reserve is None or alone or reserve(machine.request_id, min(len(state.prompt_ids) + state.max_tokens,
-                                                                       backend.max_sequence)):
+        want = min(len(state.prompt_ids) + state.max_tokens, backend.max_sequence)
+        if reserve is None or reserve(machine.request_id, want):
+            return True
+        if alone:  # more than the whole pool: it reserves its prompt now and the rest as it grows
+            reserve(machine.request_id, len(state.prompt_ids) + 1)
             return True
         backend.release(machine.request_id)
         self.stats.waits_for_blocks += 1
