@@ -113,7 +113,12 @@ def hit_capture(hits: Sequence[CachedBlock], plan: CapturePlan) -> RowCapture:
     hidden = {layer: torch.cat([e.rows.hidden[layer] for e in hits]) for layer in plan.hidden_layers}
     attention = {}
     for layer in plan.attention_layers:
-        rows = [e.rows.attention[layer] for e in hits]
+        rows = [e.rows.attention[layer] for e in hits]  # (h, block_size, block_end) each
         n = rows[-1].shape[-1]
-        attention[layer] = torch.cat([torch.nn.functional.pad(r, (0, n - r.shape[-1])) for r in rows], dim=1)
+        out = rows[0].new_zeros(rows[0].shape[0], n, n)  # one copy of every row, no intermediate pads
+        first = 0
+        for r in rows:
+            out[:, first:first + r.shape[1], : r.shape[-1]] = r
+            first += r.shape[1]
+        attention[layer] = out
     return RowCapture(hidden, attention)

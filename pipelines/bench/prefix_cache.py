@@ -11,6 +11,7 @@ capture: hidden states and attention at the event layer, which a hit returns fro
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -135,11 +136,14 @@ def run_prefix_bench(config_path: Any, *, prefix_tokens: int = 1000, requests: i
             "max_batch": cfg.max_batch, "max_step_tokens": cfg.max_step_tokens, "kv_block_size": cfg.kv_block_size,
             "capture": {"hidden_states": cfg.extract_hidden_states, "attention": cfg.extract_attention,
                         "layer": cfg.hidden_state_layer},
+            # other work on the machine slows both sides of each comparison; the ratios are what compare
+            "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count(),
         }
         report["ttft"] = measure_prefix_ttft(engine, prefix_tokens=prefix_tokens, repeats=repeats, progress=progress)
         report["shared_system_prompt"] = measure_shared_system_prompt(
             engine, requests=requests, system_tokens=system_tokens, new_tokens=new_tokens, progress=progress)
         report["cache_stats"] = engine.backend.cache_stats()
+        report["load_average_at_end"] = os.getloadavg()[0]
     return report
 
 
