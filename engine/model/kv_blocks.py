@@ -67,6 +67,7 @@ class KVBlocks:
                                         grow=self._grow, on_evict=self.index.evict)
         self.stats = PrefixStats()
         self._requests: dict[str, _Request] = {}
+        self._reserved = 0  # blocks reserved by every request
 
     def _grow(self, blocks: int) -> int:
         self.cache.grow(blocks)
@@ -89,6 +90,7 @@ class KVBlocks:
     def remove(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
         if request is not None:
+            self._reserved -= request.reserved
             for block in request.table:
                 self.allocator.release(block)
 
@@ -109,9 +111,9 @@ class KVBlocks:
         need = self._blocks(tokens)
         if need <= request.reserved:
             return True
-        total = sum(r.reserved for r in self._requests.values()) - request.reserved + need
-        if total > self.allocator.usable:
+        if self._reserved - request.reserved + need > self.allocator.usable:
             return False
+        self._reserved += need - request.reserved
         request.reserved = need
         return True
 
@@ -187,6 +189,12 @@ class KVBlocks:
         request.tokens.extend(int(t) for t in tokens)
         request.rows.extend(_position_rows(captured, start, q))
         self._register(request)
+        # rows still waiting for their block to fill are views of this forward's whole capture
+        # (a prompt's attention is (heads, n, n)): keep copies of just them
+        for p in range(max(start, len(request.keys) * self.block_size), request.length):
+            row = request.rows[p]
+            if row is not None:
+                request.rows[p] = ({k: t.clone() for k, t in row[0].items()}, {k: t.clone() for k, t in row[1].items()})
 
     def _register(self, request: _Request) -> None:
         bs = self.block_size
@@ -214,6 +222,7 @@ class KVBlocks:
             "blocks_used": a.held,
             "blocks_free": a.usable - a.held,
             "blocks_cached": a.cached,
+            "blocks_reserved": self._reserved,
             "blocks_allocated": a.num_blocks - 1,
             "evictions": a.evictions,
             "prefix_lookups": self.stats.lookups,

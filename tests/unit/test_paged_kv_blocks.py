@@ -84,6 +84,9 @@ def test_reservations_bound_what_is_admitted_and_growing_past_one_needs_room():
     assert not kv.reserve("a", 24)  # a outgrows its reservation: no room next to b
     kv.remove("b")
     assert kv.reserve("a", 24)
+    assert kv.as_dict()["blocks_reserved"] == 6
+    kv.remove("a")
+    assert kv.as_dict()["blocks_reserved"] == 0
 
 
 def test_a_shared_block_is_copied_before_a_write_and_the_other_holder_keeps_its_keys():
