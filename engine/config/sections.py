@@ -37,10 +37,10 @@ class BackendConfig:
     extract_hidden_states: bool = True
     model_cache_dir: str | None = None  # where embedded models are converted to; None: user cache dir
     hf_token: str | None = field(default=None, repr=False)
-    max_batch: int = 8  # requests that share one step (KV-cache slots); more wait in the queue
+    max_batch: int = 8  # requests that share one step; more wait in the queue (so do those the KV pool cannot hold)
     max_waiting: int = 256  # requests queued behind the active ones; then submit blocks (back-pressure)
-    max_sequence: int | None = None  # positions per slot (prompt + output); None: the model's context
-    initial_cache_tokens: int = 256  # per-slot cache length allocated up front; grows by doubling
+    max_sequence: int | None = None  # positions per request (prompt + output); None: the model's context
+    initial_cache_tokens: int = 256  # KV pool allocated up front per batch place (tokens); grows by doubling
     # decode forwards on static buffers: "auto" captures CUDA graphs on a GPU (eager elsewhere),
     # "static" runs the static-buffer path without capture, "compile" runs it through torch.compile
     # (a compile per decode shape; pays off on long CPU runs only), "off" is always eager
