@@ -98,8 +98,11 @@ def _idle_blocks(e) -> int:
 
 def test_a_shared_system_prompt_is_reused_and_everything_downstream_is_unchanged(eng):
     question = "Why do leaves change colour in autumn?"
+    cached = eng.backend.cache_stats()["blocks_cached"]
     off = eng.generate(messages=_chat(question), max_tokens=NEW_TOKENS, temperature=0.0, prefix_cache=False)
+    assert eng.backend.cache_stats()["blocks_cached"] == cached, "a request with the cache off offered blocks"
     other = eng.generate(messages=_chat("What is a lever?"), max_tokens=2, temperature=0.0)  # caches the system prompt
+    assert eng.backend.cache_stats()["blocks_cached"] > cached
     with pytest.raises(AssertionError):  # positive control: the comparison tells other requests apart
         _same_results(other, off)
     hits, fed = _hits(eng), eng.loop.stats.tokens_fed
