@@ -3,10 +3,11 @@
 ::
 
     submit ─► wait queue (bounded: back-pressure) ─► admitted between steps, up to max_batch and
-           while the KV cache can reserve their tokens (prompt + max_tokens); a cached prompt
-           prefix is reused (its keys/values and captured internals), the rest is prefilled
+           while the KV cache can reserve their tokens (prompt + max_tokens)
     step:  the scheduler gives each running request its tokens for this step (decoding ones one
-           each, prompts chunks of the rest of backend.max_step_tokens)
+           each, prompts chunks of the rest of backend.max_step_tokens); a prompt given tokens
+           for the first time first reuses its longest cached prefix (keys/values and captured
+           internals) and is planned again with only the rest
            → one backend.forward for every scheduled row → each request's on_forward
            → each ready request's step(): ForwardPass → its mods → what to sample
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
@@ -59,6 +60,7 @@ class Entry:
     machine: RequestMachine
     handle: RequestHandle
     finalize: Callable[["Entry"], Any]
+    prefix_checked: bool = False  # the prefix cache was asked (once, just before its first forward)
 
 
 @dataclass
@@ -217,8 +219,11 @@ class StepLoop:
         return False
 
     def _reuse_prefix(self, entry: Entry) -> None:
-        """A new request starts from the longest cached prefix of its prompt, when its flag (else
-        ``backend.prefix_caching``) allows and no steer changes its keys/values."""
+        """A request about to feed for the first time starts from the longest cached prefix of its
+        prompt, when its flag (else ``backend.prefix_caching``) allows and no steer changes its
+        keys/values. Asked this late — not at admission — so a prompt queued behind another
+        one's chunked prefill of the same prefix finds the blocks that one has finished."""
+        entry.prefix_checked = True
         reuse = getattr(self.backend, "reuse_prefix", None)
         state = entry.machine.state
         if reuse is None or state.finish is not None or state.steer_delta is not None:
@@ -233,7 +238,6 @@ class StepLoop:
     def _step(self, new: list[Entry]) -> None:
         for entry in new:
             entry.machine.start(max_sequence=self.backend.max_sequence, overlap=self.defer_announcements)
-            self._guard(entry, lambda e=entry: self._reuse_prefix(e))
             self._active.append(entry)
         for entry in self._active:
             if entry.handle.cancel_requested:
@@ -262,7 +266,13 @@ class StepLoop:
         """One forward for every running request the scheduler gives tokens this step."""
         owners, rows, starved = [], [], []
         reserve = getattr(self.backend, "reserve", None)
-        for i, allowance in self.scheduler.schedule([e.machine for e in running]):
+        machines = [e.machine for e in running]
+        plan = self.scheduler.schedule(machines)
+        while fresh := [running[i] for i, _ in plan if not running[i].prefix_checked]:
+            for entry in fresh:  # reused prefixes shrink what these need: plan the budget again
+                self._guard(entry, lambda e=entry: self._reuse_prefix(e))
+            plan = self.scheduler.schedule(machines)
+        for i, allowance in plan:
             entry = running[i]
             row = self._guard(entry, lambda m=entry.machine, n=allowance: m.next_forward(n))
             if row is None:
