@@ -331,3 +331,16 @@ def test_static_decode_reads_reused_blocks_through_its_block_tables():
         assert _hits(e) > hits
         _same_results(on, off)
         assert _idle_blocks(e) == 0
+
+
+def test_the_prefix_bench_runs_small_and_reports_reuse(eng):
+    """``raylens bench --prefix`` at toy sizes: its rows exist and the cached runs reused tokens
+    (no timing is asserted)."""
+    from pipelines.bench.prefix_cache import measure_prefix_ttft, measure_shared_system_prompt
+
+    ttft = measure_prefix_ttft(eng, prefix_tokens=40, suffix_tokens=6, repeats=1)
+    assert ttft["reused_tokens"] == [40 // BLOCK * BLOCK] and ttft["ratio"] > 0
+    chats = measure_shared_system_prompt(eng, requests=3, system_tokens=40, new_tokens=2)
+    assert chats["off"]["reused_tokens"] == 0 and chats["on_cached"]["reused_tokens"] >= 3 * (40 // BLOCK) * BLOCK
+    assert chats["off"]["generated_tokens"] == chats["on_cached"]["generated_tokens"] == 3 * 2
+    assert _idle_blocks(eng) == 0
