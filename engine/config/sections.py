@@ -37,10 +37,10 @@ class BackendConfig:
     extract_hidden_states: bool = True
     model_cache_dir: str | None = None  # where embedded models are converted to; None: user cache dir
     hf_token: str | None = field(default=None, repr=False)
-    max_batch: int = 8  # requests that share one step (KV-cache slots); more wait in the queue
+    max_batch: int = 8  # requests that share one step; more wait in the queue (so do those the KV pool cannot hold)
     max_waiting: int = 256  # requests queued behind the active ones; then submit blocks (back-pressure)
-    max_sequence: int | None = None  # positions per slot (prompt + output); None: the model's context
-    initial_cache_tokens: int = 256  # per-slot cache length allocated up front; grows by doubling
+    max_sequence: int | None = None  # positions per request (prompt + output); None: the model's context
+    initial_cache_tokens: int = 256  # KV pool allocated up front per batch place (tokens); grows by doubling
     # decode forwards on static buffers: "auto" captures CUDA graphs on a GPU (eager elsewhere),
     # "static" runs the static-buffer path without capture, "compile" runs it through torch.compile
     # (a compile per decode shape; pays off on long CPU runs only), "off" is always eager
@@ -49,6 +49,14 @@ class BackendConfig:
     # of new prompts up to this budget (a long prompt is prefilled over several steps, so no
     # stream waits for another request's whole prefill); at least max_batch, so decoding always fits
     max_step_tokens: int = 512
+    # the paged KV cache: positions per block, and the pool's size in tokens (None: max_batch ×
+    # max_sequence, which every request reserving its whole sequence fits; a smaller pool admits
+    # requests while their reserved tokens — prompt + max_tokens — fit, and queues the rest)
+    kv_block_size: int = 16
+    kv_cache_tokens: int | None = None
+    # reuse the keys/values (and captured internals) of a cached prompt prefix; a request's
+    # `prefix_cache` overrides it
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.backend_type != "huggingface":
@@ -72,6 +80,12 @@ class BackendConfig:
              and self.max_step_tokens >= (self.max_batch if isinstance(self.max_batch, int) else 1),
              f">= max_batch ({self.max_batch}: every running request feeds one token per step); raise it or "
              f"lower max_batch"),
+            ("kv_block_size", _is_int(self.kv_block_size) and 1 <= self.kv_block_size <= 1024, "in [1, 1024]"),
+            ("kv_cache_tokens", self.kv_cache_tokens is None or (
+                _is_int(self.kv_cache_tokens) and _is_int(self.kv_block_size)
+                and self.kv_cache_tokens >= 2 * self.kv_block_size),
+             f">= 2 * kv_block_size ({2 * self.kv_block_size if _is_int(self.kv_block_size) else 2}) or null"),
+            ("prefix_caching", isinstance(self.prefix_caching, bool), "true or false"),
         ])
 
 

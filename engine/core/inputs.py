@@ -211,6 +211,7 @@ class GenerationRequest:
     attention: Literal["all"] | None = None
     request_id: str | None = None
     max_tokens_cap: int | None = field(default=None, repr=False)
+    prefix_cache: bool | None = None  # reuse a cached prompt prefix (None: backend.prefix_caching)
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]
@@ -256,6 +257,9 @@ class GenerationRequest:
         object.__setattr__(self, "mods", tuple(mods))
         object.__setattr__(self, "stop_tokens", _ints(self.stop_tokens, "stop_tokens"))
         object.__setattr__(self, "banned_tokens", _ints(self.banned_tokens, "banned_tokens") or ())
+        if self.prefix_cache is not None and not isinstance(self.prefix_cache, bool):
+            raise InvalidRequestError(f"`prefix_cache` must be true, false or null, got {self.prefix_cache!r}",
+                                      parameter="prefix_cache", value=self.prefix_cache)
         if self.ignore_eos is not None and not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"`ignore_eos` must be true or false, got {self.ignore_eos!r}",
                                       parameter="ignore_eos", value=self.ignore_eos)

@@ -146,6 +146,14 @@ class RequestMachine:
         layer = self.actions.steering.layer if steer is not None and self.actions.steering is not None else None
         return ForwardRow(state.request_id, start, tuple(tokens), self._plans[not self._decoding], steer, layer)
 
+    def reuse_prefix(self, length: int, captured: RowCapture) -> None:
+        """The prompt's first ``length`` positions came from the prefix cache with the internals
+        their forward captured: they join the feed as a chunk already done (before any forward)."""
+        state = self.state
+        row = ForwardRow(state.request_id, 0, tuple(state.prompt_ids[:length]), self._plans[True])
+        self._parts.append((row, RowOutput(None, captured, None)))
+        state.cached = length
+
     def on_forward(self, row: ForwardRow, output: RowOutput, forward_ms: float) -> bool:
         """Take a fed row's output; False while the feed it belongs to is still incomplete. The
         last chunk completes it: the joined output becomes the newest forward, its hidden rows go

@@ -1,7 +1,9 @@
 """Which requests run in a step and how many tokens each feeds: a request budget and a token budget.
 
-Admission fills free batch places (``backend.max_batch``) from the wait queue in arrival order.
-Each step's forward then feeds at most ``backend.max_step_tokens`` tokens::
+Admission fills free batch places (``backend.max_batch``) from the wait queue in arrival order,
+while the KV cache can reserve the tokens each may use (``fits``: the paged cache admits by
+tokens, not by ``max_batch × max_sequence``); the first that does not fit waits, and so does
+everyone behind it. Each step's forward then feeds at most ``backend.max_step_tokens`` tokens::
 
     decoding requests first: one token each, reserved — a stream never waits for a prefill
     a decoding request with more to feed (forced tokens, a new prompt after AdjustedPrefill)
@@ -16,7 +18,7 @@ receiving a token per step. The scheduler reads only what a request needs fed
 from __future__ import annotations
 
 import collections
-from typing import Protocol, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
 
 __all__ = ["Scheduler", "Schedulable"]
 
@@ -40,10 +42,14 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
 
-    def admit(self, waiting: collections.deque[T], active: int) -> list[T]:
-        """Take from the front of ``waiting`` what fits next to ``active`` running requests."""
+    def admit(self, waiting: collections.deque[T], active: int,
+              fits: Callable[[T, bool], bool] | None = None) -> list[T]:
+        """Take from the front of ``waiting`` what fits next to ``active`` running requests:
+        ``fits(request, alone)`` reserves its cache room (``alone``: nothing else would run)."""
         new: list[T] = []
         while waiting and active + len(new) < self.max_batch:
+            if fits is not None and not fits(waiting[0], active + len(new) == 0):
+                break
             new.append(waiting.popleft())
         return new
 

@@ -2,9 +2,12 @@
 
 ::
 
-    submit ─► wait queue (bounded: back-pressure) ─► admitted between steps, up to max_batch
+    submit ─► wait queue (bounded: back-pressure) ─► admitted between steps, up to max_batch and
+           while the KV cache can reserve their tokens (prompt + max_tokens)
     step:  the scheduler gives each running request its tokens for this step (decoding ones one
-           each, prompts chunks of the rest of backend.max_step_tokens)
+           each, prompts chunks of the rest of backend.max_step_tokens); a prompt given tokens
+           for the first time first reuses its longest cached prefix (keys/values and captured
+           internals) and is planned again with only the rest
            → one backend.forward for every scheduled row → each request's on_forward
            → each ready request's step(): ForwardPass → its mods → what to sample
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
@@ -57,6 +60,7 @@ class Entry:
     machine: RequestMachine
     handle: RequestHandle
     finalize: Callable[["Entry"], Any]
+    prefix_checked: bool = False  # the prefix cache was asked (once, just before its first forward)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class LoopStats:
     prefill_chunks: int = 0  # forwards that fed part of a feed too long for one step's budget
     max_active: int = 0
     waits_for_room: int = 0  # submits that waited for a free place (back-pressure)
+    waits_for_blocks: int = 0  # admissions and feeds deferred until the KV cache had room
     deferred_announcements: int = 0  # steps announced after the next forward's launch
     # host time from a step's sampled ids to the next forward's launch (the device idles then)
     launch_gaps: int = 0
@@ -173,7 +178,7 @@ class StepLoop:
                     self._cond.wait()
                 if self._closing and not self._active:
                     return
-                new = self.scheduler.admit(self._waiting, len(self._active))
+                new = self.scheduler.admit(self._waiting, len(self._active), self._fits)
                 if new:
                     self._cond.notify_all()  # room in the queue for blocked submitters
             try:
@@ -194,9 +199,44 @@ class StepLoop:
             entry.machine.fail(f"{type(err).__name__}: {err}")
             return None
 
+    def _fits(self, entry: Entry, alone: bool) -> bool:
+        """Admission: the request gets its block table and reserves the tokens it may use
+        (``prompt + max_tokens``); False leaves it waiting. Alone it is admitted anyway: it
+        reserves more as it grows (:meth:`_forward`)."""
+        backend, machine = self.backend, entry.machine
+        if self._guard(entry, lambda: backend.acquire(machine.request_id) or True) is None:
+            return True  # failed: admitted only to leave with its error
+        reserve = getattr(backend, "reserve", None)
+        state = machine.state
+        want = min(len(state.prompt_ids) + state.max_tokens, backend.max_sequence)
+        if reserve is None or reserve(machine.request_id, want):
+            return True
+        if alone:  # more than the whole pool: it reserves its prompt now and the rest as it grows
+            reserve(machine.request_id, len(state.prompt_ids) + 1)
+            return True
+        backend.release(machine.request_id)
+        self.stats.waits_for_blocks += 1
+        return False
+
+    def _reuse_prefix(self, entry: Entry) -> None:
+        """A request about to feed for the first time starts from the longest cached prefix of its
+        prompt, when its flag (else ``backend.prefix_caching``) allows and no steer changes its
+        keys/values. Asked this late — not at admission — so a prompt queued behind another
+        one's chunked prefill of the same prefix finds the blocks that one has finished."""
+        entry.prefix_checked = True
+        reuse = getattr(self.backend, "reuse_prefix", None)
+        state = entry.machine.state
+        if reuse is None or state.finish is not None or state.steer_delta is not None:
+            return
+        flag = getattr(state.request.source, "prefix_cache", None)
+        if not (flag if flag is not None else getattr(self.backend.config, "prefix_caching", False)):
+            return
+        hit = reuse(state.request_id, state.prompt_ids, state.plan.with_all_query_rows(True))
+        if hit is not None:
+            entry.machine.reuse_prefix(*hit)
+
     def _step(self, new: list[Entry]) -> None:
         for entry in new:
-            self._guard(entry, lambda e=entry: self.backend.acquire(e.machine.request_id))
             entry.machine.start(max_sequence=self.backend.max_sequence, overlap=self.defer_announcements)
             self._active.append(entry)
         for entry in self._active:
@@ -224,13 +264,28 @@ class StepLoop:
 
     def _forward(self, running: list[Entry]) -> None:
         """One forward for every running request the scheduler gives tokens this step."""
-        owners, rows = [], []
-        for i, allowance in self.scheduler.schedule([e.machine for e in running]):
+        owners, rows, starved = [], [], []
+        reserve = getattr(self.backend, "reserve", None)
+        machines = [e.machine for e in running]
+        plan = self.scheduler.schedule(machines)
+        while fresh := [running[i] for i, _ in plan if not running[i].prefix_checked]:
+            for entry in fresh:  # reused prefixes shrink what these need: plan the budget again
+                self._guard(entry, lambda e=entry: self._reuse_prefix(e))
+            plan = self.scheduler.schedule(machines)
+        for i, allowance in plan:
             entry = running[i]
             row = self._guard(entry, lambda m=entry.machine, n=allowance: m.next_forward(n))
-            if row is not None:
-                owners.append(entry)
-                rows.append(row)
+            if row is None:
+                continue
+            if reserve is not None and not reserve(row.request_id, row.start + len(row.tokens)):
+                starved.append(entry)  # outgrew its reservation: waits for blocks to free
+                continue
+            owners.append(entry)
+            rows.append(row)
+        self.stats.waits_for_blocks += len(starved)
+        if starved and not rows:  # nothing runs that could free a block: the newest gives way
+            starved[-1].machine.fail("the KV cache cannot hold this request next to the running ones (it outgrew "
+                                     "its reserved prompt + max_tokens); raise backend.kv_cache_tokens")
         if not rows:
             return
         started = time.perf_counter()

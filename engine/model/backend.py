@@ -1,10 +1,17 @@
 """The Backend protocol: what the step loop needs from a model runtime, and nothing else.
 
-A backend holds the model, its tokenizer and a KV cache with one slot per active request. The
+A backend holds the model, its tokenizer and a KV cache with room for every active request. The
 core tells it which requests are active (:meth:`Backend.acquire` / :meth:`Backend.release`) and
 hands it, once per step, every row that needs a forward (:meth:`Backend.forward`): the tokens a
 request has not fed yet and the position of the first. Positions are data: a request that
 backtracked simply feeds from an earlier position again; the backend never learns why.
+
+A backend over a paged cache (:class:`~engine.model.hf.HuggingFaceBackend`) offers three more
+methods the step loop uses when present: ``reserve(request_id, tokens) -> bool`` (admission by
+tokens: False means wait), ``reuse_prefix(request_id, prompt, plan)`` (the prefix cache: the
+reused length and the internals a forward of it would have captured, or None) and
+``cache_stats()`` (blocks used and free, hit rate). A backend without them admits by ``max_batch``
+alone and never reuses a prefix.
 
 Shapes (``d`` hidden size, ``V`` logits width, ``q`` tokens fed, ``kv`` the request's context):
 :class:`RowOutput` logits ``(V,)`` float32 for the position after the last fed token;
@@ -108,7 +115,7 @@ class Backend(Protocol):
         ...
 
     def acquire(self, request_id: str) -> None:
-        """Give ``request_id`` a cache slot (the caller keeps at most ``max_batch`` active)."""
+        """Give ``request_id`` room in the KV cache (the caller keeps at most ``max_batch`` active)."""
         ...
 
     def release(self, request_id: str) -> None: ...

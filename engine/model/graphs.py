@@ -4,15 +4,16 @@ On a GPU the eager forward is bound by Python and kernel launches, not by the mo
 135M model run at the same ~30 tokens/s. A replayed graph launches the whole forward at once.
 Graphs need every tensor the forward touches at a fixed address and every shape fixed, so one
 :class:`StaticDecode` exists per :class:`GraphKey` — batch bucket (1, 2, 4, …, ``max_batch``),
-attended-length bucket (a power of two, at most the cache's capacity) and the capture plan (which
+attended-length bucket (a power of two, at most ``max_sequence``) and the capture plan (which
 hidden states and attention patterns the graph writes out):
 
-* inputs are static device tensors updated in place before each replay: token ids ``(B, 1)`` and
-  positions ``(B, 1)``; the causal mask is computed from the positions *inside* the graph, so a
-  Backtrack (an earlier position) needs no recapture and nothing inside reads back to the host;
-* the batch's rows are the dense slots ``0 … n-1``; rows ``n … B-1`` of a bucket are padding whose
-  keys/values go to a scratch slot no request owns (as do the warm-up and capture runs), so padding
-  never touches a live request's cache;
+* inputs are static device tensors updated in place before each replay: token ids ``(B, 1)``,
+  positions ``(B, 1)`` and the rows' block tables ``(B, ceil(kv_len / block_size))``; the slots
+  written and read and the causal mask are computed from them *inside* the graph, so a Backtrack
+  (an earlier position) or a newly allocated block needs no recapture and nothing inside reads
+  back to the host;
+* rows ``n … B-1`` of a bucket are padding whose tables point at the scratch block no request
+  owns (as do the warm-up and capture runs), so padding never touches a live request's cache;
 * outputs — logits ``(B, V)``, their top log-probs and ids ``(B, k)``, each captured layer's
   residual stream ``(B, d)``, each captured layer's newest attention row ``(B, heads, L)`` — are
   static too: :meth:`StaticDecode.run`
@@ -37,7 +38,7 @@ import torch
 
 from engine.model.backend import top_logprobs
 from engine.model.capture import CAPTURE_KWARG, AttentionCapture, hidden_states_index
-from engine.model.kv_cache import BatchCacheView, SlotKVCache
+from engine.model.kv_cache import SCRATCH_BLOCK, BatchCacheView, PagedKVCache, read_slots, write_slots
 
 __all__ = ["GraphKey", "StaticDecode", "batch_bucket", "length_bucket"]
 
@@ -55,8 +56,8 @@ def batch_bucket(n: int, max_batch: int) -> int:
 
 
 def length_bucket(n: int, capacity: int) -> int:
-    """The smallest power of two ≥ ``n`` positions, at least :data:`MIN_LENGTH_BUCKET`, at most the
-    cache's capacity."""
+    """The smallest power of two ≥ ``n`` positions, at least :data:`MIN_LENGTH_BUCKET`, at most
+    ``capacity`` (the positions one request may use)."""
     bucket = MIN_LENGTH_BUCKET
     while bucket < n:
         bucket *= 2
@@ -74,21 +75,19 @@ class GraphKey:
 class StaticDecode:
     """Static buffers (and on CUDA the captured graph) of one decode shape."""
 
-    def __init__(self, model: Any, cache: SlotKVCache, key: GraphKey, *, scratch_slot: int, capture: bool,
-                 pool: Any = None, compile: bool = False) -> None:
-        self.model, self.key = model, key
-        self.scratch_slot = scratch_slot
+    def __init__(self, model: Any, cache: PagedKVCache, key: GraphKey, *, capture: bool, pool: Any = None,
+                 compile: bool = False) -> None:
+        self.model, self.key, self.cache = model, key, cache
         device = cache.device
         b, length = key.batch, key.kv_len
-        # one (3, B) buffer, filled by one host→device copy per step: ids, positions, cache rows written
-        self.inputs = torch.zeros(3, b, dtype=torch.long, device=device)
-        self.inputs[2] = scratch_slot  # warm-up and capture runs write to the scratch slot
-        self.ids = self.inputs[0].view(b, 1)  # (B, 1)
-        self.positions = self.inputs[1].view(b, 1)  # (B, 1)
-        self.write_rows = self.inputs[2]  # (B,)
+        self.blocks = -(-length // cache.block_size)
+        # one (B, 2 + blocks) buffer, filled by one host→device copy per step: each row's token id,
+        # position and block table (all zeros — the scratch block — for warm-up and capture runs)
+        self.inputs = torch.full((b, 2 + self.blocks), SCRATCH_BLOCK, dtype=torch.long, device=device)
+        self.ids = self.inputs[:, 0:1]  # (B, 1)
+        self.positions = self.inputs[:, 1:2]  # (B, 1)
+        self.tables = self.inputs[:, 2:]  # (B, blocks)
         self.key_positions = torch.arange(length, device=device)  # (L,)
-        slots = torch.arange(b, dtype=torch.long, device=device)
-        self.view = BatchCacheView(cache, slots, self.write_rows, self.positions.view(-1), length, dense=True)
         self.attention = AttentionCapture({layer: list(range(b)) for layer in key.attention_layers}, b, False) \
             if key.attention_layers else None
         self.graph = None
@@ -113,6 +112,9 @@ class StaticDecode:
 
     def _forward(self) -> "DecodeOutputs":
         mask = self.key_positions[None, None, None, :] <= self.positions[:, None, :, None]  # (B, 1, 1, L)
+        bs = self.cache.block_size
+        view = BatchCacheView(self.cache, write_slots(self.tables, self.positions, bs),
+                              read_slots(self.tables, self.key.kv_len, bs), self.key.kv_len)
         kwargs: dict[str, Any] = {}
         if self.key.hidden_layers:
             kwargs["output_hidden_states"] = [hidden_states_index(layer) for layer in self.key.hidden_layers]
@@ -120,7 +122,7 @@ class StaticDecode:
             self.attention.patterns = {}
             kwargs[CAPTURE_KWARG] = self.attention
         out = self.model(input_ids=self.ids, position_ids=self.positions, attention_mask=mask,
-                         past_key_values=self.view, use_cache=True, logits_to_keep=1, **kwargs)
+                         past_key_values=view, use_cache=True, logits_to_keep=1, **kwargs)
         logits = out.logits[:, -1].float()  # (B, V)
         hidden = {layer: out.hidden_states[hidden_states_index(layer)][:, -1] for layer in self.key.hidden_layers}
         patterns = dict(self.attention.patterns) if self.attention is not None else {}  # (B, h, 1, L)
@@ -138,13 +140,15 @@ class StaticDecode:
             self.outputs = self._forward()
         self.graph = graph
 
-    def run(self, tokens: Sequence[int], starts: Sequence[int]) -> "DecodeOutputs":
-        """Rows ``0 … len(tokens)-1`` feed one token each at ``starts``; returns copies of the
-        outputs' first ``n`` rows, taken before the next replay can overwrite them."""
-        n, b = len(tokens), self.key.batch
-        pad = b - n
-        self.inputs.copy_(torch.tensor([list(tokens) + [0] * pad, list(starts) + [0] * pad,
-                                         list(range(n)) + [self.scratch_slot] * pad], dtype=torch.long))
+    def run(self, tokens: Sequence[int], starts: Sequence[int], tables: Sequence[Sequence[int]]) -> "DecodeOutputs":
+        """Rows ``0 … len(tokens)-1`` feed one token each at ``starts`` into their ``tables``;
+        returns copies of the outputs' first ``n`` rows, taken before the next replay can
+        overwrite them."""
+        n, b, nb = len(tokens), self.key.batch, self.blocks
+        host = [[t, s] + list(table[:nb]) + [SCRATCH_BLOCK] * (nb - len(table[:nb]))
+                for t, s, table in zip(tokens, starts, tables)]
+        host += [[0, 0] + [SCRATCH_BLOCK] * nb] * (b - n)
+        self.inputs.copy_(torch.tensor(host, dtype=torch.long))
         if self.graph is not None:
             self.graph.replay()
             out = self.outputs

@@ -1,10 +1,11 @@
-"""HuggingFaceBackend: transformers' causal LM run over a slot KV cache, many requests a forward.
+"""HuggingFaceBackend: transformers' causal LM run over a paged KV cache, many requests a forward.
 
 Never ``model.generate``: mods intervene between every forward pass. The model is called with our
 own cache view (:class:`~engine.model.kv_cache.BatchCacheView`), explicit ``position_ids`` and a
 ready 4-D boolean mask, so transformers builds neither a mask nor a cache of its own; its attention
-modules write each row's keys/values at that row's positions. The internals rows ask for come from
-:mod:`engine.model.capture`.
+modules write each row's keys/values into that row's blocks. The internals rows ask for come from
+:mod:`engine.model.capture`; block tables, reservations and the prefix cache from
+:mod:`engine.model.kv_blocks`.
 
 A step's rows are grouped by how many tokens they feed: every one-token row (decode) shares one
 forward; a row feeding several tokens (a prefill, or a forced chunk) is a prefill-shaped forward of
@@ -25,6 +26,7 @@ from engine.model.backend import ForwardRow, ModelInfo, RowOutput, top_logprobs
 from engine.model.capture import (
     CAPTURE_KWARG,
     AttentionCapture,
+    CapturePlan,
     RowCapture,
     check_layer,
     ensure_attention_registered,
@@ -34,7 +36,8 @@ from engine.model.capture import (
 from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
 from engine.model.hook_names import resid_post
-from engine.model.kv_cache import BatchCacheView, SlotKVCache
+from engine.model.kv_blocks import KVBlocks
+from engine.model.kv_cache import BatchCacheView, PagedKVCache
 from engine.model.loading import load_model_and_tokenizer
 from engine.model.taps import taps_of
 
@@ -44,8 +47,7 @@ __all__ = ["HuggingFaceBackend"]
 class HuggingFaceBackend:
     def __init__(self, config: BackendConfig | None = None) -> None:
         self.model: Any = None
-        self._slots: dict[str, int] = {}
-        self._lengths: dict[str, int] = {}  # positions written per request (what compaction copies)
+        self.blocks: KVBlocks | None = None
         self._lock = threading.Lock()
         if config is not None:
             self.load_model(config.model_id, config)
@@ -82,13 +84,14 @@ class HuggingFaceBackend:
         self._graph_capture = mode == "auto" and self.device.type == "cuda"
         self._compile_decode = mode == "compile"
         self._static_decode = self._graph_capture or mode in ("static", "compile")
-        # graphs hold the cache's addresses: a static cache is allocated whole, once
-        capacity = self._max_sequence if self._static_decode else config.initial_cache_tokens
-        # one slot per request, plus a scratch slot that static decode's padding rows write to
-        self.cache = SlotKVCache(num_layers=self.info.num_layers, slots=config.max_batch + 1,
-                                 kv_heads=self.info.num_key_value_heads, head_dim=head_dim,
-                                 capacity=capacity, max_capacity=self._max_sequence,
-                                 dtype=self.dtype, device=self.device)
+        bs = config.kv_block_size
+        max_blocks = -(-(config.kv_cache_tokens or config.max_batch * self._max_sequence) // bs) + 1  # + scratch
+        # graphs hold the pool's addresses: a static pool is allocated whole, once
+        blocks = max_blocks if self._static_decode else -(-config.max_batch * config.initial_cache_tokens // bs) + 1
+        self.cache = PagedKVCache(num_layers=self.info.num_layers, kv_heads=self.info.num_key_value_heads,
+                                  head_dim=head_dim, block_size=bs, blocks=blocks, max_blocks=max_blocks,
+                                  dtype=self.dtype, device=self.device)
+        self.blocks = KVBlocks(self.cache)
         self._graphs: dict[GraphKey, StaticDecode] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_capture else None
         self.graph_stats = {"static_steps": 0, "eager_steps": 0, "graphs": 0}
@@ -121,30 +124,40 @@ class HuggingFaceBackend:
     def max_sequence(self) -> int:
         return self._max_sequence
 
-    # ------------------------------------------------------------------------------------- slots
+    # ------------------------------------------------------------------------------------ blocks
 
     def acquire(self, request_id: str) -> None:
         with self._lock:
-            if request_id in self._slots:
-                raise InvalidRequestError(f"request {request_id!r} already holds a cache slot",
+            if request_id in self.blocks:
+                raise InvalidRequestError(f"request {request_id!r} already holds a block table",
                                           parameter="request_id", value=request_id)
-            if len(self._slots) >= self.max_batch:
-                raise QueueFullError(f"all {self.max_batch} cache slots are taken; wait for a request to finish")
-            self._slots[request_id] = len(self._slots)
-            self._lengths[request_id] = 0
+            if len(self.blocks) >= self.max_batch:
+                raise QueueFullError(f"all {self.max_batch} batch places are taken; wait for a request to finish")
+            self.blocks.add(request_id)
 
     def release(self, request_id: str) -> None:
-        """Free the request's slot; the last slot moves into the hole so active slots stay dense."""
+        """Free the request's blocks (cached prefix blocks stay indexed until evicted)."""
         with self._lock:
-            slot = self._slots.pop(request_id, None)
-            self._lengths.pop(request_id, None)
-            if slot is None:
-                return
-            last = len(self._slots)
-            if slot != last:
-                mover = next(rid for rid, s in self._slots.items() if s == last)
-                self.cache.move_slot(last, slot, self._lengths[mover])
-                self._slots[mover] = slot
+            self.blocks.remove(request_id)
+
+    def reserve(self, request_id: str, tokens: int) -> bool:
+        """Reserve KV blocks for ``tokens`` positions of the request; False: the pool's
+        reservations are full, the request must wait (:mod:`engine.model.kv_blocks`)."""
+        with self._lock:
+            return self.blocks.reserve(request_id, tokens)
+
+    def reuse_prefix(self, request_id: str, prompt: Sequence[int], plan: CapturePlan) -> tuple[int, Any] | None:
+        """Before its first forward: the request starts from the longest cached prefix of
+        ``prompt`` whose captured internals cover ``plan`` (a prompt's prefill plan). Returns the
+        reused length and the :class:`~engine.model.capture.RowCapture` a forward of those tokens
+        would have given, or None; either way the request's full blocks are cached from now on."""
+        with self._lock:
+            return self.blocks.lookup(request_id, prompt, plan)
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Blocks used and free, and the prefix cache's hit rate (tokens reused / prompt tokens)."""
+        with self._lock:
+            return self.blocks.as_dict()
 
     # ----------------------------------------------------------------------------------- forward
 
@@ -156,47 +169,49 @@ class HuggingFaceBackend:
             if not row.tokens:
                 raise InvalidRequestError(f"request {row.request_id!r} has no token to feed", parameter="tokens")
         for single in (True, False):
-            group = sorted((i for i, r in enumerate(rows) if (len(r.tokens) == 1) == single),
-                           key=lambda i: self._slot(rows[i]))
+            group = [i for i, r in enumerate(rows) if (len(r.tokens) == 1) == single]
             if group:
                 for i, out in zip(group, self._run([rows[i] for i in group])):
                     outputs[i] = out
         return outputs  # type: ignore[return-value]
 
-    def _slot(self, row: ForwardRow) -> int:
-        try:
-            return self._slots[row.request_id]
-        except KeyError:
-            raise InvalidRequestError(f"request {row.request_id!r} holds no cache slot", parameter="request_id",
-                                      value=row.request_id) from None
+    def _tables(self, rows: Sequence[ForwardRow]) -> list[list[int]]:
+        """Each row's block table, with blocks for the positions it feeds (positions from its
+        start on are forgotten first: a Backtrack is a position move)."""
+        tables = []
+        for row in rows:
+            if row.request_id not in self.blocks:
+                raise InvalidRequestError(f"request {row.request_id!r} holds no block table", parameter="request_id",
+                                          value=row.request_id)
+            tables.append(list(self.blocks.prepare(row.request_id, row.start, len(row.tokens))))
+        return tables
+
+    def _record(self, rows: Sequence[ForwardRow], outputs: Sequence[RowOutput]) -> None:
+        for row, out in zip(rows, outputs):
+            self.blocks.record(row.request_id, row.start, row.tokens, out.captured, row.steer is not None)
 
     def _static_fits(self, rows: Sequence[ForwardRow]) -> bool:
-        """One-token rows on the dense slots 0 … n-1, no steering: the static/graph decode path."""
-        return (self._static_decode and len(rows[0].tokens) == 1 and all(r.steer is None for r in rows)
-                and [self._slot(r) for r in rows] == list(range(len(rows))))
+        """One-token rows, no steering: the static/graph decode path."""
+        return self._static_decode and len(rows[0].tokens) == 1 and all(r.steer is None for r in rows)
 
-    def _run_static(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
+    def _run_static(self, rows: Sequence[ForwardRow], tables: list[list[int]]) -> list[RowOutput]:
         plans = [r.plan for r in rows]
         hidden_layers = tuple(sorted({layer for p in plans for layer in p.hidden_layers}))
         attention_layers = tuple(sorted({layer for p in plans for layer in p.attention_layers}))
         starts = [r.start for r in rows]
-        key = GraphKey(batch_bucket(len(rows), self.max_batch), length_bucket(max(starts) + 1, self.cache.capacity),
+        key = GraphKey(batch_bucket(len(rows), self.max_batch), length_bucket(max(starts) + 1, self._max_sequence),
                        hidden_layers, attention_layers)
         decode = self._graphs.get(key)
         if decode is None:
-            decode = self._graphs[key] = StaticDecode(self.model, self.cache, key, scratch_slot=self.max_batch,
-                                                      capture=self._graph_capture, pool=self._graph_pool,
-                                                      compile=self._compile_decode)
+            decode = self._graphs[key] = StaticDecode(self.model, self.cache, key, capture=self._graph_capture,
+                                                      pool=self._graph_pool, compile=self._compile_decode)
             self.graph_stats["graphs"] = len(self._graphs)
-        out = decode.run([r.tokens[0] for r in rows], starts)
+        out = decode.run([r.tokens[0] for r in rows], starts, tables)
         self.graph_stats["static_steps"] += 1
         outputs = []
-        lengths = self._lengths
         values, indices = out.top
         for b, row in enumerate(rows):
             end = row.start + 1
-            if lengths.get(row.request_id, 0) < end:
-                lengths[row.request_id] = end
             plan = row.plan
             captured = RowCapture({layer: out.hidden[layer][b:b + 1] for layer in plan.hidden_layers},  # (1, d)
                                   {layer: out.patterns[layer][b][:, :, :end]  # (h, 1, kv)
@@ -212,14 +227,23 @@ class HuggingFaceBackend:
         if end > self._max_sequence:
             raise ContextOverflowError(f"a request must fit {self._max_sequence} positions, needs {end}",
                                        parameter="max_sequence", value=end)
+        with self._lock:
+            tables = self._tables(rows)
         if self._static_fits(rows):
             with torch.inference_mode():
-                return self._run_static(rows)
+                outputs = self._run_static(rows, tables)
+        else:
+            outputs = self._run_eager(rows, tables)
+        with self._lock:
+            self._record(rows, outputs)
+        return outputs
+
+    def _run_eager(self, rows: Sequence[ForwardRow], tables: list[list[int]]) -> list[RowOutput]:
+        lengths = [len(r.tokens) for r in rows]
+        starts = [r.start for r in rows]
         self.graph_stats["eager_steps"] += 1
         q = max(lengths)
-        self.cache.ensure_capacity(end)
-        view, positions = BatchCacheView.build(self.cache, [self._slot(r) for r in rows], starts, lengths,
-                                               scratch_slot=self.max_batch)  # positions (B, q)
+        view, positions = BatchCacheView.build(self.cache, tables, starts, lengths)  # positions (B, q)
         ids = torch.tensor([[0] * (q - len(r.tokens)) + list(r.tokens) for r in rows], dtype=torch.long,
                            device=self.device)  # (B, q)
         key_pos = torch.arange(view.kv_len, device=self.device)
@@ -236,8 +260,6 @@ class HuggingFaceBackend:
         with torch.inference_mode(), self._steering(rows):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=view,
                              use_cache=True, logits_to_keep=1, **kwargs)
-        for r, n in zip(rows, lengths):
-            self._lengths[r.request_id] = max(self._lengths.get(r.request_id, 0), r.start + n)
         logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
         values, indices = top_logprobs(logits)
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
@@ -278,6 +300,6 @@ class HuggingFaceBackend:
         return capture(self._taps, input_ids, names, out=out, model_id=self.info.model_id)
 
     def shutdown(self) -> None:
-        self._slots.clear()
-        self._lengths.clear()
+        if self.blocks is not None:
+            self.blocks.clear()
         self.model = self._taps = None

@@ -1,118 +1,136 @@
-"""A KV cache built for continuous batching: one preallocated slot per active request.
+"""A paged KV cache: fixed-size blocks from one pool per layer, a block table per request.
 
-Every layer keeps ``keys``/``values`` of shape ``(slots, kv_heads, capacity, head_dim)``. A request
-owns one slot; its tokens sit at positions ``0 … n-1`` of that slot. Positions are data, not
-shapes (as in gpt-fast's ``KVCache`` and vLLM's ``num_computed_tokens``):
+Every layer keeps ``keys``/``values`` of shape ``(num_blocks, block_size, kv_heads, head_dim)``.
+Position ``p`` of a request lives in block ``table[p // block_size]`` at offset ``p % block_size``;
+the pool read flat, ``(num_blocks * block_size, kv_heads, head_dim)``, is indexed by one *slot*
+per position: ``table[p // block_size] * block_size + p % block_size``. Positions are data, not
+shapes:
 
-* a forward writes the keys/values of the tokens it feeds at their positions and attends over the
-  slot's first ``start + q`` positions, through a boolean mask that also hides stale entries;
-* Backtrack is moving the request's position back: nothing is freed or copied, the stale entries
-  are masked and later overwritten;
-* requests of different lengths share one batched decode forward: each row writes at its own
-  position and the mask gives each row its own causal window.
+* a forward writes the keys/values of the tokens it feeds into their slots and reads, per row,
+  the slots of positions ``0 … kv_len-1`` gathered into the ``(B, kv_heads, kv_len, head_dim)``
+  view transformers' attention (SDPA) expects; a boolean causal mask hides what lies past each
+  row's own position (stale entries after a Backtrack, padding);
+* Backtrack is moving the request's position back; blocks wholly past the new end go back to the
+  pool (:mod:`engine.model.kv_blocks`), the rest are overwritten as the request feeds again;
+* requests of different lengths share one batched forward: each row has its own table.
 
-Active slots are kept dense (``0 … active-1``): when a request leaves, the last slot's entries are
-moved into the hole, so the usual decode batch (every active request) reads the buffers as a view,
-without a gather. Capacity grows by doubling up to ``max_capacity``; growing copies the buffers
-once (a static cache for CUDA graphs sets ``capacity = max_capacity`` up front).
+Block 0 is the scratch block no request owns: left-padding columns, the padding rows of a static
+decode bucket and table entries past a request's end point there, so they never touch a live
+request's keys. The pool grows by doubling up to ``max_blocks`` (growing copies it once); a
+static cache for CUDA graphs is allocated whole, up front.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-__all__ = ["SlotKVCache", "BatchCacheView"]
+__all__ = ["PagedKVCache", "BatchCacheView", "SCRATCH_BLOCK", "read_slots", "write_slots"]
+
+SCRATCH_BLOCK = 0
 
 
-class SlotKVCache:
-    def __init__(self, *, num_layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int,
-                 max_capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.num_layers, self.slots, self.kv_heads, self.head_dim = num_layers, slots, kv_heads, head_dim
-        self.max_capacity = max_capacity
+class PagedKVCache:
+    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, block_size: int, blocks: int,
+                 max_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.block_size, self.max_blocks = block_size, max_blocks
         self.dtype, self.device = dtype, device
-        self.capacity = 0
-        self.keys: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.keys: list[torch.Tensor] = []  # per layer (num_blocks, block_size, kv_heads, head_dim)
         self.values: list[torch.Tensor] = []
-        self._grow(min(capacity, max_capacity))
+        self.grow(min(max(blocks, 2), max_blocks))
 
-    def _grow(self, capacity: int) -> None:
-        shape = (self.slots, self.kv_heads, capacity, self.head_dim)
+    def grow(self, blocks: int) -> None:
+        """Reallocate the pool with ``blocks`` blocks, keeping every block's contents."""
+        blocks = min(blocks, self.max_blocks)
+        if blocks <= self.num_blocks:
+            return
+        shape = (blocks, self.block_size, self.kv_heads, self.head_dim)
         keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         for old, new in zip(self.keys + self.values, keys + values):
-            new[:, :, : self.capacity].copy_(old)
-        self.keys, self.values, self.capacity = keys, values, capacity
+            new[: self.num_blocks].copy_(old)
+        self.keys, self.values, self.num_blocks = keys, values, blocks
 
-    def ensure_capacity(self, length: int) -> None:
-        """Make room for ``length`` positions per slot (callers check ``max_capacity`` first)."""
-        if length <= self.capacity:
-            return
-        capacity = self.capacity
-        while capacity < length:
-            capacity *= 2
-        self._grow(min(capacity, self.max_capacity))
-
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``src`` into slot ``dst`` (compaction)."""
-        if src == dst or length <= 0:
+    def copy_block(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of block ``src`` into ``dst`` (copy-on-write)."""
+        if length <= 0:
             return
         for buf in self.keys + self.values:
-            buf[dst, :, :length].copy_(buf[src, :, :length])
+            buf[dst, :length].copy_(buf[src, :length])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def block_nbytes(self) -> int:
+        """Bytes one block holds over every layer's keys and values."""
+        return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * \
+            torch.empty((), dtype=self.dtype).element_size()
+
+
+def read_slots(tables: torch.Tensor, kv_len: int, block_size: int) -> torch.Tensor:
+    """``tables (B, nb)`` block ids → ``(B, kv_len)`` flat pool slots of positions ``0 … kv_len-1``
+    (entries past a table's end must be :data:`SCRATCH_BLOCK`). Pure tensor ops: a CUDA graph
+    computes it from its static table on every replay."""
+    key_pos = torch.arange(kv_len, device=tables.device)
+    return tables[:, key_pos // block_size] * block_size + key_pos % block_size
+
+
+def write_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``tables (B, nb)`` and ``positions (B, q)`` → ``(B*q,)`` flat slots the fed tokens write."""
+    return (tables.gather(1, positions // block_size) * block_size + positions % block_size).reshape(-1)
 
 
 @dataclass
 class BatchCacheView:
     """What one batched forward hands transformers as ``past_key_values``.
 
-    ``slots (B,)``: each row's slot; ``starts (B,)``: the position of each row's first fed token;
-    ``q``: tokens fed per row; ``kv_len``: positions attended (``max(start) + q``). transformers'
-    attention modules call :meth:`update` once per layer with the new keys/values ``(B, kv, q, hd)``;
-    it writes them at their positions and returns the slots' keys/values ``(B, kv, kv_len, hd)``.
+    ``write_index (B*q,)``: the flat pool slot of every fed token (padding columns: the scratch
+    block); ``read_index (B, kv_len)``: the slots of each row's positions ``0 … kv_len-1``.
+    transformers' attention modules call :meth:`update` once per layer with the new keys/values
+    ``(B, kv, q, hd)``; it writes them into their slots and returns the rows' gathered keys/values
+    ``(B, kv, kv_len, hd)``.
     """
 
-    cache: SlotKVCache
-    slots: torch.Tensor  # (B,) long, on the cache's device
-    write_rows: torch.Tensor  # (B*q,) slot of each fed token
-    write_positions: torch.Tensor  # (B*q,) position of each fed token
+    cache: PagedKVCache
+    write_index: torch.Tensor  # (B*q,) long, on the cache's device
+    read_index: torch.Tensor  # (B, kv_len) long
     kv_len: int
-    dense: bool  # slots are 0 … B-1 in order: read through a view, no gather
 
     @classmethod
-    def build(cls, cache: SlotKVCache, slots: list[int], starts: list[int], lengths: list[int], *,
-              scratch_slot: int) -> tuple["BatchCacheView", torch.Tensor]:
+    def build(cls, cache: PagedKVCache, tables: Sequence[Sequence[int]], starts: Sequence[int],
+              lengths: Sequence[int]) -> tuple["BatchCacheView", torch.Tensor]:
         """Rows feeding ``lengths[b]`` tokens each, left-padded to the longest: row ``b``'s real
-        tokens sit in the last ``lengths[b]`` columns at positions ``starts[b], …``; padding columns
-        write ``scratch_slot`` (no request's slot). Returns the view and the ``(B, q)`` positions."""
+        tokens sit in the last ``lengths[b]`` columns at positions ``starts[b], …`` and its blocks
+        are ``tables[b]`` (covering those positions). Returns the view and the ``(B, q)`` positions
+        (padding columns: position 0, written to the scratch block)."""
         q = max(lengths)
-        rows, positions = [], []
-        for slot, start, n in zip(slots, starts, lengths):
-            rows += [scratch_slot] * (q - n) + [slot] * n
+        bs = cache.block_size
+        kv_len = max(s + n for s, n in zip(starts, lengths))
+        writes, positions = [], []
+        for table, start, n in zip(tables, starts, lengths):
+            writes += [SCRATCH_BLOCK * bs] * (q - n) + [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             positions += [0] * (q - n) + list(range(start, start + n))
+        nb = -(-kv_len // bs)
+        padded = [list(t[:nb]) + [SCRATCH_BLOCK] * (nb - len(t[:nb])) for t in tables]
         device = cache.device
-        pos_t = torch.tensor(positions, dtype=torch.long, device=device)  # (B*q,)
-        view = cls(cache, torch.tensor(slots, dtype=torch.long, device=device),
-                   torch.tensor(rows, dtype=torch.long, device=device), pos_t,
-                   max(s + n for s, n in zip(starts, lengths)), slots == list(range(len(slots))))
-        return view, pos_t.view(len(slots), q)
+        table_t = torch.tensor(padded, dtype=torch.long, device=device)  # (B, nb)
+        view = cls(cache, torch.tensor(writes, dtype=torch.long, device=device),
+                   read_slots(table_t, kv_len, bs), kv_len)
+        return view, torch.tensor(positions, dtype=torch.long, device=device).view(len(tables), q)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         b, kv, q, hd = key_states.shape
+        length = self.read_index.shape[1]
         out = []
         for buf, new in ((self.cache.keys[layer_idx], key_states), (self.cache.values[layer_idx], value_states)):
-            # (S, L, kv, hd) view: one index_put_ writes every row's tokens at their own positions
-            buf.transpose(1, 2).index_put_((self.write_rows, self.write_positions),
-                                           new.transpose(1, 2).reshape(b * q, kv, hd).to(buf.dtype))
-            if self.dense:
-                out.append(buf[:b, :, : self.kv_len])
-            else:
-                out.append(buf[:, :, : self.kv_len].index_select(0, self.slots))
+            flat = buf.view(-1, kv, hd)  # (num_blocks * block_size, kv, hd)
+            flat.index_copy_(0, self.write_index, new.transpose(1, 2).reshape(b * q, kv, hd).to(buf.dtype))
+            out.append(flat.index_select(0, self.read_index.reshape(-1)).view(b, length, kv, hd).transpose(1, 2))
         return out[0], out[1]
 
     # transformers asks a cache these when it builds masks or positions itself; we pass both, so

@@ -42,6 +42,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--long-prompt", type=int, nargs="?", const=6000, metavar="TOKENS",
                    help="instead: 8 streams, then one prompt of TOKENS (default 6000): the streams' inter-token "
                         "gaps while it prefills, whole vs in chunks (backend.max_step_tokens)")
+    p.add_argument("--prefix", action="store_true",
+                   help="instead: prefix caching — TTFT of a reused 1,000-token prefix vs cold, and 32 chats sharing "
+                        "a 500-token system prompt, cache off / on")
     p.add_argument("--tokenizer", help="with --random-model: a tokenizer directory (default: the embedded model's)")
     p.add_argument("--structured", action="store_true",
                    help="instead: grammar-constrained (json_schema) vs free generation, tokens/s at 1 and 8 "
@@ -72,6 +75,13 @@ def run_cli(args: argparse.Namespace) -> int:
         return _decode_modes_cli(args, progress)
     if getattr(args, "long_prompt", None):  # its own engines, one per prefill mode
         return _long_prompt_cli(args, progress)
+    if getattr(args, "prefix", False):  # its own engine
+        from pipelines.bench.prefix_cache import format_prefix, run_prefix_bench
+
+        report = {"prefix_cache": run_prefix_bench(args.config, progress=progress)}
+        print(format_prefix(report["prefix_cache"]))
+        _write_report(args.out, report)
+        return 0
     overrides: dict[str, dict[str, Any]] = {}
     if getattr(args, "host_overhead", False):
         if not args.concurrency:

@@ -28,10 +28,12 @@ NEW_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def chunked():
-    """A second copy of the embedded model whose steps feed at most BUDGET tokens."""
+    """A second copy of the embedded model whose steps feed at most BUDGET tokens (no prefix
+    cache: these tests count chunks, which a cached system prompt would save; chunks and the
+    cache together are tests/integration/test_prefix_cache.py's)."""
     from engine import Engine
 
-    with Engine(build_config(max_step_tokens=BUDGET)) as eng:
+    with Engine(build_config(max_step_tokens=BUDGET, prefix_caching=False)) as eng:
         yield eng
 
 

@@ -1,0 +1,163 @@
+"""Benchmark: prefix caching on the paged KV cache, in one run on one engine (the config's own
+capture: hidden states and attention at the event layer, which a hit returns from the cache).
+
+(a) Time to first token of a request whose 1,000-token prefix an earlier request already used,
+    beside the same request with ``prefix_cache=False`` (cold): the goal is ≤ 0.15×.
+(b) 32 chat requests sharing a 500-token system prompt, each with its own question, submitted
+    at once: generated tokens/s and time to first token with the cache off, on with the system
+    prompt not yet cached (the first batch computes it), and on with it cached by an earlier
+    request (a server's steady state).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+__all__ = ["run_prefix_bench", "format_prefix"]
+
+TEXT = ("The harbour master kept the tide tables, the pilot rota and the list of every berth; when a ship "
+        "asked to come in she checked the depth, the wind and the queue, and answered in one line. ")
+
+
+def _ids(tokenizer: Any, n: int, salt: str = "") -> list[int]:
+    """``n`` token ids of plain prose (``salt`` makes a different text)."""
+    ids = list(tokenizer.encode((salt + " " + TEXT) * (n // 30 + 2), add_special_tokens=False))
+    return ids[:n]
+
+
+def _ttft(engine: Any, ids: list[int], new_tokens: int, cache: bool) -> tuple[float, Any]:
+    start = time.perf_counter()
+    handle = engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                           prefix_cache=cache)
+    next(iter(handle))  # the first token event: the prompt is in and one token was sampled
+    first = time.perf_counter() - start
+    return first, handle.result()
+
+
+def measure_prefix_ttft(engine: Any, *, prefix_tokens: int = 1000, suffix_tokens: int = 24, repeats: int = 3,
+                        progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """(a): per repeat a fresh prefix; cold, then an earlier request with another suffix, then warm."""
+    cold, warm, reused = [], [], []
+    for r in range(repeats):
+        prefix = _ids(engine.tokenizer, prefix_tokens, salt=f"Log {r}.")
+        first = prefix + _ids(engine.tokenizer, suffix_tokens, salt="Question one:")
+        second = prefix + _ids(engine.tokenizer, suffix_tokens, salt="Question two:")
+        t_cold, cold_result = _ttft(engine, second, 4, cache=False)
+        _ttft(engine, first, 4, cache=True)  # the earlier request: computes and caches the prefix
+        hits = engine.backend.cache_stats()["hit_tokens"]
+        t_warm, warm_result = _ttft(engine, second, 4, cache=True)
+        reused.append(engine.backend.cache_stats()["hit_tokens"] - hits)
+        if warm_result.sequence_ids != cold_result.sequence_ids:
+            raise AssertionError("a prefix-cache hit changed the greedy tokens")
+        cold.append(t_cold)
+        warm.append(t_warm)
+        progress(f"prefix {prefix_tokens}: cold TTFT {t_cold * 1000:.0f} ms, reused {reused[-1]} tokens: "
+                 f"{t_warm * 1000:.0f} ms")
+    c, w = statistics.median(cold), statistics.median(warm)
+    return {"prefix_tokens": prefix_tokens, "prompt_tokens": prefix_tokens + suffix_tokens, "repeats": repeats,
+            "cold_ttft_ms": 1000 * c, "warm_ttft_ms": 1000 * w, "ratio": w / c, "goal_ratio": 0.15,
+            "reused_tokens": reused, "cold_ttft_ms_each": [1000 * x for x in cold],
+            "warm_ttft_ms_each": [1000 * x for x in warm]}
+
+
+def _chat_run(engine: Any, prompts: list[list[int]], new_tokens: int, cache: bool) -> dict[str, Any]:
+    firsts: list[float | None] = [None] * len(prompts)
+    start = time.perf_counter()
+    with engine.loop.admission_held():
+        handles = [engine.submit(input_ids=p, max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                 prefix_cache=cache) for p in prompts]
+
+    def read(i: int) -> None:
+        for _ in handles[i]:
+            if firsts[i] is None:
+                firsts[i] = time.perf_counter() - start
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(prompts))]
+    for thread in readers:
+        thread.start()
+    results = [h.result() for h in handles]
+    wall = time.perf_counter() - start
+    for thread in readers:
+        thread.join(60)
+    ttfts = sorted(1000 * f for f in firsts if f is not None)
+    generated = sum(len(r.output_ids) for r in results)
+    return {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall,
+            "ttft_ms": {"median": statistics.median(ttfts), "mean": statistics.fmean(ttfts),
+                        "p90": ttfts[int(0.9 * (len(ttfts) - 1))], "max": ttfts[-1]},
+            "sequences": [r.sequence_ids for r in results]}
+
+
+def measure_shared_system_prompt(engine: Any, *, requests: int = 32, system_tokens: int = 500,
+                                 new_tokens: int = 16, progress: Callable[[str], None] = lambda _: None
+                                 ) -> dict[str, Any]:
+    """(b): the same 32 prompts three ways; each cache-on run starts from a system prompt of its own
+    (a new one for the not-yet-cached run, one an earlier request cached for the warm run)."""
+    tok = engine.tokenizer
+
+    def prompts(system: list[int]) -> list[list[int]]:
+        return [system + list(tok.encode(f" Question {i}: which berth suits a ship of {10 + i} metres?",
+                                         add_special_tokens=False)) for i in range(requests)]
+
+    rows: dict[str, Any] = {}
+    for name, salt, cache, warm in (("off", "Rules A.", False, False), ("on_first_arrival", "Rules B.", True, False),
+                                    ("on_cached", "Rules C.", True, True)):
+        batch = prompts(_ids(tok, system_tokens, salt=salt))
+        if warm:
+            engine.generate(input_ids=batch[0][:system_tokens] + [batch[0][-1]], max_tokens=1, temperature=0.0)
+        hits = engine.backend.cache_stats()["hit_tokens"]
+        row = _chat_run(engine, batch, new_tokens, cache)
+        row["reused_tokens"] = engine.backend.cache_stats()["hit_tokens"] - hits
+        row["prompt_tokens"] = sum(len(p) for p in batch)
+        rows[name] = row
+        progress(f"{requests} chats, cache {name}: {row['tokens_per_s']:.1f} tok/s, median TTFT "
+                 f"{row['ttft_ms']['median']:.0f} ms, reused {row['reused_tokens']} of {row['prompt_tokens']} tokens")
+    for row in rows.values():
+        del row["sequences"]
+    return {"requests": requests, "system_tokens": system_tokens, "new_tokens": new_tokens, **rows,
+            "tokens_per_s_ratio_cached": rows["on_cached"]["tokens_per_s"] / rows["off"]["tokens_per_s"],
+            "median_ttft_ratio_cached": rows["on_cached"]["ttft_ms"]["median"] / rows["off"]["ttft_ms"]["median"]}
+
+
+def run_prefix_bench(config_path: Any, *, prefix_tokens: int = 1000, requests: int = 32, system_tokens: int = 500,
+                     new_tokens: int = 16, repeats: int = 3,
+                     progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    from engine import Engine
+
+    overrides = {"backend": {"prefix_caching": True}, "activations": {"enabled": False}, "sae": {"enabled": False}}
+    with Engine.from_config(config_path, overrides=overrides) as engine:
+        engine.generate("Hello", max_tokens=2, temperature=0.0)  # warm-up
+        cfg = engine.backend.config
+        report: dict[str, Any] = {
+            "model": engine.backend.info.model_id, "device": engine.backend.info.device,
+            "max_batch": cfg.max_batch, "max_step_tokens": cfg.max_step_tokens, "kv_block_size": cfg.kv_block_size,
+            "capture": {"hidden_states": cfg.extract_hidden_states, "attention": cfg.extract_attention,
+                        "layer": cfg.hidden_state_layer},
+            # other work on the machine slows both sides of each comparison; the ratios are what compare
+            "load_average_at_start": os.getloadavg()[0], "cpus": os.cpu_count(),
+        }
+        report["ttft"] = measure_prefix_ttft(engine, prefix_tokens=prefix_tokens, repeats=repeats, progress=progress)
+        report["shared_system_prompt"] = measure_shared_system_prompt(
+            engine, requests=requests, system_tokens=system_tokens, new_tokens=new_tokens, progress=progress)
+        report["cache_stats"] = engine.backend.cache_stats()
+        report["load_average_at_end"] = os.getloadavg()[0]
+    return report
+
+
+def format_prefix(report: dict[str, Any]) -> str:
+    t, s = report["ttft"], report["shared_system_prompt"]
+    lines = [f"prefix caching on {report['model']} ({report['device']}), blocks of {report['kv_block_size']}", "",
+             f"(a) TTFT of a {t['prompt_tokens']}-token prompt whose {t['prefix_tokens']}-token prefix an earlier "
+             f"request used: cold {t['cold_ttft_ms']:.0f} ms, reused {t['warm_ttft_ms']:.0f} ms = "
+             f"{t['ratio']:.3f}x (goal <= {t['goal_ratio']}x)", "",
+             f"(b) {s['requests']} chat requests sharing a {s['system_tokens']}-token system prompt, "
+             f"{s['new_tokens']} new tokens each", "",
+             "| prefix cache | tokens/s | TTFT median / p90 (ms) | prompt tokens reused |", "|---|---:|---:|---:|"]
+    for name in ("off", "on_first_arrival", "on_cached"):
+        row = s[name]
+        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['ttft_ms']['median']:.0f} / "
+                     f"{row['ttft_ms']['p90']:.0f} | {row['reused_tokens']} of {row['prompt_tokens']} |")
+    return "\n".join(lines)
