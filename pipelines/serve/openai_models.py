@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "SamplingFields", "ChatCompletionRequest", "CompletionRequest", "ModPayload",
+__all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "EngineFields", "ChatCompletionRequest", "CompletionRequest", "ModPayload",
            "MAX_CHOICES", "MAX_PROMPTS", "MAX_TOTAL_CHOICES", "MAX_LEGACY_LOGPROBS"]
 
 
@@ -41,7 +41,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class SamplingFields(BaseModel):
+class EngineFields(BaseModel):
     """The fields chat and completions share that the engine's request takes as they are. Their
     rules (ranges, token ids in the vocabulary, the schema a grammar can enforce) are the engine's,
     so the schema states only types."""
@@ -59,13 +59,15 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object, json_schema (enforced by a grammar), or raylens' regex / grammar")
+    prefix_cache: bool | None = Field(None, strict=True, description="extension: false skips the prefix cache for "
+                                                                       "this request (default: the server's setting)")
 
     def engine_fields(self) -> dict[str, Any]:
         """These fields as :class:`~engine.core.inputs.GenerationRequest` keywords."""
-        return {name: getattr(self, name) for name in SamplingFields.model_fields}
+        return {name: getattr(self, name) for name in EngineFields.model_fields}
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(EngineFields):
     """The Chat Completions request; fields the server does not use are accepted and ignored
     only when they cannot change the answer (``user``, ``metadata``, ``store`` …)."""
 
@@ -102,7 +104,7 @@ class ModPayload(BaseModel):
 
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(EngineFields):
     """The legacy Completions request: raw text (no chat template) or token ids in, text out."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)

