@@ -139,13 +139,8 @@ class ChatCall:
     # ---------------------------------------------------------------------------- responses
 
     async def _complete_one(self, choice: Choice) -> tuple[dict[str, Any], Any, int]:
-        stream, text = choice.stream, choice.text
-        try:
-            async for _ in text.follow(stream):
-                pass
-            result = await stream.result()
-        finally:
-            stream.cancel()
+        text = choice.text
+        result = await choice.run_to_end()
         finish, content, calls = self.finish(text, result)
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if calls is not None:

@@ -30,6 +30,16 @@ class Choice:
     stream: Stream
     text: ChoiceText
 
+    async def run_to_end(self) -> Any:
+        """Read the choice's stream to its end (its text follows every token) and return the
+        engine's result; the request is cancelled if this is left early."""
+        try:
+            async for _ in self.text.follow(self.stream):
+                pass
+            return await self.stream.result()
+        finally:
+            self.stream.cancel()
+
     @staticmethod
     async def gather(choices: Sequence["Choice"], run: Callable[["Choice"], Awaitable[Any]]) -> list[Any]:
         """``run`` every choice concurrently; the first failure cancels the others and is raised."""

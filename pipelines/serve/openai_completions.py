@@ -200,13 +200,8 @@ class CompletionCall:
     # ---------------------------------------------------------------------------- responses
 
     async def _complete_one(self, choice: Choice) -> tuple[dict[str, Any], int]:
-        stream, text, p = choice.stream, choice.text, choice.index // self.n
-        try:
-            async for _ in text.follow(stream):
-                pass
-            result = await stream.result()
-        finally:
-            stream.cancel()
+        text, p = choice.text, choice.index // self.n
+        result = await choice.run_to_end()
         finish, generated = self.finish(text, result)
         logprobs = None
         if self.want_logprobs:

@@ -23,6 +23,7 @@ from engine.model.embeddings import tokenize_texts
 from .errors import ApiError, ErrorCode, api_error_from
 from .openai_common import service_of
 from .openai_models import ERRORS, MAX_EMBEDDING_INPUTS, EmbeddingRequest
+from .openai_prompts import split_inputs
 from .service import Service
 
 __all__ = ["router", "embedding_inputs"]
@@ -32,22 +33,10 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 _SHAPE = "a non-empty string, a list of them, a non-empty list of token ids, or a list of them"
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
-
-
 def embedding_inputs(service: Service, raw: Any) -> list[list[int]]:
     """Each input's token ids (texts tokenised as ``Engine.embed`` tokenises them); a 400 naming
     the input that is empty, out of the vocabulary or longer than the context."""
-    if isinstance(raw, str) or _is_ids(raw):
-        items, names = [raw], ["input"]
-    elif isinstance(raw, list) and raw and all(isinstance(x, str) or _is_ids(x) for x in raw):
-        items, names = raw, [f"input[{i}]" for i in range(len(raw))]
-    else:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"`input` must be {_SHAPE}, got {str(raw)[:80]}.", "input")
-    if len(items) > MAX_EMBEDDING_INPUTS:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"`input` must hold at most {MAX_EMBEDDING_INPUTS} inputs, got "
-                                                  f"{len(items)}; send several requests.", "input")
+    items, names = split_inputs(raw, "input", MAX_EMBEDDING_INPUTS, _SHAPE)
     limit = service.info.max_context
     out = []
     for item, name in zip(items, names):

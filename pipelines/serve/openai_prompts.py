@@ -15,7 +15,7 @@ from .errors import ApiError, ErrorCode
 from .openai_models import MAX_PROMPTS
 from .service import Service
 
-__all__ = ["Prompt", "parse_prompts", "token_pieces"]
+__all__ = ["Prompt", "parse_prompts", "token_pieces", "split_inputs"]
 
 _SHAPE = "a non-empty string, a non-empty list of token ids, or a list of either"
 _WINDOW = 6  # tokens of context decoded before a piece: enough for any merge of byte-level tokens
@@ -40,17 +40,24 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
 
 
+def split_inputs(raw: Any, field: str, most: int, shape: str = _SHAPE) -> tuple[list[Any], list[str]]:
+    """OpenAI's "a text or token ids, or a list of either" (``prompt``, embeddings' ``input``): the
+    items and the name of each (``field`` or ``field[i]``), at most ``most`` of them, else a 400."""
+    if isinstance(raw, str) or _is_ids(raw):
+        items, names = [raw], [field]
+    elif isinstance(raw, list) and raw and all(isinstance(x, str) or _is_ids(x) for x in raw):
+        items, names = raw, [f"{field}[{i}]" for i in range(len(raw))]
+    else:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"`{field}` must be {shape}, got {str(raw)[:80]}.", field)
+    if len(items) > most:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"`{field}` must hold at most {most} items, got "
+                                                  f"{len(items)}; send several requests.", field)
+    return items, names
+
+
 def parse_prompts(service: Service, prompt: Any) -> list[Prompt]:
     """The request's prompts, each checked (non-empty; ids in the vocabulary) with a 400 naming it."""
-    if isinstance(prompt, str) or _is_ids(prompt):
-        items, names = [prompt], ["prompt"]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        items, names = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
-    else:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"`prompt` must be {_SHAPE}, got {str(prompt)[:80]}.", "prompt")
-    if len(items) > MAX_PROMPTS:
-        raise ApiError(ErrorCode.INVALID_REQUEST, f"`prompt` must hold at most {MAX_PROMPTS} prompts, got "
-                                                  f"{len(items)}; send several requests.", "prompt")
+    items, names = split_inputs(prompt, "prompt", MAX_PROMPTS)
     out = []
     for item, name in zip(items, names):
         if isinstance(item, str):
