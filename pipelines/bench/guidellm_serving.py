@@ -125,7 +125,9 @@ def _served(benchmark: dict[str, Any]) -> tuple[list[list[dict[str, Any]]], dict
 
 def _in_process(engine: Any, messages: list[list[dict[str, Any]]], bench: GuidellmBench) -> dict[str, Any]:
     """The same requests on the engine: ``concurrency`` threads, each taking the next request when its
-    last one ends (guidellm's concurrent profile); TTFT from submit to the first token."""
+    last one ends (guidellm's concurrent profile); TTFT from submit to the first token. The prefix
+    cache is skipped: the served run has just computed these very prompts, and reusing them would
+    make this side's prefill nearly free."""
     from pipelines.serve.engine_stream import TokenEvent
 
     work: queue.Queue[list[dict[str, Any]]] = queue.Queue()
@@ -142,7 +144,8 @@ def _in_process(engine: Any, messages: list[list[dict[str, Any]]], bench: Guidel
             except queue.Empty:
                 return
             started, first, tokens = time.perf_counter(), None, 0
-            for event in engine.submit(messages=item, max_tokens=bench.output_tokens, ignore_eos=True):
+            for event in engine.submit(messages=item, max_tokens=bench.output_tokens, ignore_eos=True,
+                                       prefix_cache=False):
                 if isinstance(event, TokenEvent):
                     first = first if first is not None else time.perf_counter()
                     tokens += len(event.token_ids)
