@@ -40,9 +40,9 @@ def run_decode_modes_bench(config: Any, *, modes: Sequence[str] = DECODE_MODES, 
         engines: dict[str, Any] = {}
         for mode in modes:
             # the activation store and SAE are off: the bench measures decoding, and the engines
-            # must not share one store file
+            # must not share one store file; no prefix cache: repeats run the same prompts
             cfg = dataclasses.replace(
-                base, backend=dataclasses.replace(base.backend, graph_decode=mode,
+                base, backend=dataclasses.replace(base.backend, graph_decode=mode, prefix_caching=False,
                                                   max_batch=max(concurrency, base.backend.max_batch)),
                 activations=dataclasses.replace(base.activations, enabled=False),
                 sae=dataclasses.replace(base.sae, enabled=False))

@@ -95,6 +95,9 @@ def run_cli(args: argparse.Namespace) -> int:
         overrides = _random_model_overrides("near-free", None, progress, hidden_state_layer=1)
     if getattr(args, "random_model", None):
         overrides = _random_model_overrides(args.random_model, getattr(args, "tokenizer", None), progress)
+    # the rows compare raylens with peers (HF generate) and repeat the same prompts: a prefix-cache
+    # hit would make raylens' repeats nearly free, so the cache is off (--prefix measures it)
+    overrides.setdefault("backend", {})["prefix_caching"] = False
     concurrency = sorted(set(getattr(args, "concurrency", None) or []))
     if getattr(args, "structured", False) and not concurrency:
         concurrency = [1, 8]
