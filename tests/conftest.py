@@ -53,6 +53,12 @@ def tokenizer(engine):
     return engine.tokenizer
 
 
+@pytest.fixture(scope="session")
+def model_id(engine):
+    """The embedded model's id, as the servers list it."""
+    return engine.backend.info.model_id
+
+
 @pytest.fixture
 def seed() -> int:
     return 1234

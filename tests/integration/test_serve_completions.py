@@ -8,47 +8,25 @@ seeded ``seed + i``.
 
 from __future__ import annotations
 
-import math
-import textwrap
-
 import pytest
+
+from tests.serve_helpers import mod_payload, openai_client, openai_server
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 
-FORCE_MOD = textwrap.dedent('''
-    from quote_mod_sdk import Sampled, mod
-
-    @mod
-    def shout(event, actions, tokenizer):
-        if isinstance(event, Sampled) and event.step == 2:
-            return actions.force_output(tokens=tokenizer.encode(" [FORCED]", add_special_tokens=False))
-''')
-
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from pipelines.serve.app import build_app
-    from pipelines.serve.local import serve_in_thread
-    from pipelines.serve.settings import ServeSettings
-
-    settings = ServeSettings(allow_mod_registration=True, max_new_tokens=64, request_timeout_s=120)
-    with serve_in_thread(build_app(engine, settings)) as url:
+    with openai_server(engine, allow_mod_registration=True, max_new_tokens=64, request_timeout_s=120) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    with OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(server, timeout=120) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def model_id(engine):
-    return engine.backend.info.model_id
 
 
 def reference_logprobs(engine, ids):
@@ -186,8 +164,7 @@ def test_chat_n_choices_are_one_seeded_batch(client, model_id):
 def test_mod_by_model_suffix_runs_on_completions(client, server, model_id):
     import httpx
 
-    body = {"name": "shout", "language": "python", "entrypoint": "shout", "source": FORCE_MOD}
-    assert httpx.post(f"{server}/v1/mods", json=body, timeout=60).status_code == 200
+    assert httpx.post(f"{server}/v1/mods", json=mod_payload("shout"), timeout=60).status_code == 200
     plain = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=10, temperature=0)
     forced = client.completions.create(model=f"{model_id}/shout", prompt=PROMPT, max_tokens=10, temperature=0)
     assert forced.choices[0].text == " [FORCED]" and plain.choices[0].text != " [FORCED]"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.serve_helpers import openai_client, openai_server
+
 pytestmark = pytest.mark.slow
 
 TEXTS = ["The cat sat on the mat.", "Quantum chromodynamics", "a"]
@@ -11,19 +13,13 @@ TEXTS = ["The cat sat on the mat.", "Quantum chromodynamics", "a"]
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from pipelines.serve.app import build_app
-    from pipelines.serve.local import serve_in_thread
-    from pipelines.serve.settings import ServeSettings
-
-    with serve_in_thread(build_app(engine, ServeSettings(request_timeout_s=120))) as url:
+    with openai_server(engine, request_timeout_s=120) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    with OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(server, timeout=120) as c:
         yield c
 
 

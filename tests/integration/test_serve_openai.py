@@ -6,78 +6,33 @@ the same request without the mod (positive control).
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
+
+from tests.serve_helpers import mod_payload, openai_client, openai_server
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [{"role": "user", "content": "Name a primary colour."}]
 KEY = "test-key-0123456789"
 
-TOOL_MOD = textwrap.dedent('''
-    from quote_mod_sdk import Sampled, mod
-
-    @mod
-    def lookup(event, actions, tokenizer):
-        if isinstance(event, Sampled) and event.step == 1:
-            return actions.tool_calls({"id": "call_db", "type": "function",
-                                       "function": {"name": "query_database", "arguments": '{"q": "colours"}'}})
-''')
-
-FORCE_MOD = textwrap.dedent('''
-    from quote_mod_sdk import Sampled, mod
-
-    @mod
-    def shout(event, actions, tokenizer):
-        if isinstance(event, Sampled) and event.step == 2:
-            return actions.force_output(tokens=tokenizer.encode(" [FORCED]", add_special_tokens=False))
-''')
-
-ERROR_MOD = textwrap.dedent('''
-    from quote_mod_sdk import Sampled, mod
-
-    @mod
-    def refuse(event, actions, tokenizer):
-        if isinstance(event, Sampled):
-            return actions.emit_error("refused by policy")
-''')
-
-
-def payload(name: str, source: str, entrypoint: str) -> dict:
-    return {"name": name, "language": "python", "entrypoint": entrypoint, "source": source}
-
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from pipelines.serve.app import build_app
-    from pipelines.serve.local import serve_in_thread
-    from pipelines.serve.settings import ServeSettings
-
-    settings = ServeSettings(allow_mod_registration=True, max_new_tokens=64, request_timeout_s=120)
-    with serve_in_thread(build_app(engine, settings)) as url:
+    with openai_server(engine, allow_mod_registration=True, max_new_tokens=64, request_timeout_s=120) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    with OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai_client(server, timeout=120) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def model_id(engine):
-    return engine.backend.info.model_id
 
 
 @pytest.fixture(scope="module")
 def registered(server):
     import httpx
 
-    for body in (payload("lookup", TOOL_MOD, "lookup"), payload("shout", FORCE_MOD, "shout"),
-                 payload("refuse", ERROR_MOD, "refuse")):
+    for body in map(mod_payload, ("lookup", "shout", "refuse")):
         response = httpx.post(f"{server}/v1/mods", json=body, timeout=60)
         assert response.status_code == 200, response.text
         assert response.json() == {"name": body["name"], "replaced": False, "description": None}
@@ -197,7 +152,7 @@ def test_mod_registration_is_off_by_default(engine):
     from pipelines.serve.local import serve_in_thread
 
     with serve_in_thread(build_app(engine)) as url:
-        response = httpx.post(f"{url}/v1/mods", json=payload("x", FORCE_MOD, "shout"), timeout=30)
+        response = httpx.post(f"{url}/v1/mods", json={**mod_payload("shout"), "name": "x"}, timeout=30)
     assert response.status_code == 403 and "--allow-mod-registration" in response.json()["error"]["message"]
 
 

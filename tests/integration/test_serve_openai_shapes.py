@@ -12,34 +12,16 @@ body, and every final chunk, against ``Completion`` itself.
 from __future__ import annotations
 
 import json
-import textwrap
 from typing import Dict, List, Literal, Optional
 
 import pytest
+
+from tests.serve_helpers import openai_server
 
 pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Name a primary colour."}]
 PROMPT = "The capital of France is"
-
-TOOL_MOD = textwrap.dedent('''
-    from quote_mod_sdk import Sampled, mod
-
-    @mod
-    def lookup(event, actions, tokenizer):
-        if isinstance(event, Sampled) and event.step == 1:
-            return actions.tool_calls({"id": "call_db", "type": "function",
-                                       "function": {"name": "query_database", "arguments": '{"q": "colours"}'}})
-''')
-
-ERROR_MOD = textwrap.dedent('''
-    from quote_mod_sdk import Sampled, mod
-
-    @mod
-    def refuse(event, actions, tokenizer):
-        if isinstance(event, Sampled):
-            return actions.emit_error("refused by policy")
-''')
 
 
 def wire_completion():
@@ -63,23 +45,9 @@ def wire_completion():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    import httpx
-
-    from pipelines.serve.app import build_app
-    from pipelines.serve.local import serve_in_thread
-    from pipelines.serve.settings import ServeSettings
-
-    settings = ServeSettings(allow_mod_registration=True, max_new_tokens=64, request_timeout_s=120)
-    with serve_in_thread(build_app(engine, settings)) as url:
-        for name, source in (("lookup", TOOL_MOD), ("refuse", ERROR_MOD)):
-            body = {"name": name, "language": "python", "entrypoint": name, "source": source}
-            assert httpx.post(f"{url}/v1/mods", json=body, timeout=60).status_code == 200
+    with openai_server(engine, mods=("lookup", "refuse"), max_new_tokens=64, request_timeout_s=120) as url:
         yield url
 
-
-@pytest.fixture(scope="module")
-def model_id(engine):
-    return engine.backend.info.model_id
 
 
 def post(server, path, body):

@@ -14,6 +14,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from tests.serve_helpers import openai_server
+
 from tests.helpers import build_config
 
 pytestmark = pytest.mark.slow
@@ -36,11 +38,7 @@ def inline(engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(inline):
-    from pipelines.serve.app import build_app
-    from pipelines.serve.local import serve_in_thread
-    from pipelines.serve.settings import ServeSettings
-
-    with serve_in_thread(build_app(inline, ServeSettings(max_new_tokens=64, request_timeout_s=120))) as url:
+    with openai_server(inline, max_new_tokens=64, request_timeout_s=120) as url:
         yield url
 
 

@@ -11,6 +11,8 @@ import json
 
 import pytest
 
+from tests.serve_helpers import openai_client, openai_server
+
 pytestmark = pytest.mark.slow
 
 MESSAGES = [{"role": "user", "content": "Describe a cat in one short sentence."}]
@@ -32,25 +34,15 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server(engine):
-    from pipelines.serve.app import build_app
-    from pipelines.serve.local import serve_in_thread
-    from pipelines.serve.settings import ServeSettings
-
-    with serve_in_thread(build_app(engine, ServeSettings(max_new_tokens=96, request_timeout_s=240))) as url:
+    with openai_server(engine, max_new_tokens=96, request_timeout_s=240) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    with OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=240) as c:
+    with openai_client(server, timeout=240) as c:
         yield c
 
-
-@pytest.fixture(scope="module")
-def model_id(engine):
-    return engine.backend.info.model_id
 
 
 def _schema_format(schema):

@@ -12,7 +12,6 @@ import itertools
 import json
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
