@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from engine.errors import ConfigError, InvalidRequestError
 
-__all__ = ["I32_MAX", "SEED_MAX", "MIN_TEMPERATURE", "REQUEST_ID_MAX_CHARS", "MOD_LOG_MIN_CHARS", "MOD_LOG_MAX_CHARS",
+__all__ = ["require_fields", "is_int", "is_real", "I32_MAX", "SEED_MAX", "MIN_TEMPERATURE", "REQUEST_ID_MAX_CHARS", "MOD_LOG_MIN_CHARS", "MOD_LOG_MAX_CHARS",
            "check_request_id", "DeviceName", "DType"]
 
 DeviceName = str  # "auto" | "cpu" | "mps" | "cuda" | "cuda:N"
@@ -17,8 +17,9 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-def _require(obj: Any, prefix: str, checks: list[tuple[str, bool, str]]) -> None:
-    """Raise for the first ``(field, ok, constraint)`` that is not ok, naming field and value."""
+def require_fields(obj: Any, prefix: str, checks: list[tuple[str, bool, str]]) -> None:
+    """Raise :class:`ConfigError` for the first ``(field, ok, constraint)`` that is not ok, naming
+    ``prefix + field``, the constraint and the value: the one way settings objects refuse values."""
     for name, ok, constraint in checks:
         if not ok:
             value = getattr(obj, name)
@@ -40,11 +41,11 @@ MOD_LOG_MIN_CHARS = 256
 MOD_LOG_MAX_CHARS = 8 * 1024 * 1024
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 

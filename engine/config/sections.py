@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping
 from engine.errors import ConfigError
 
 from .checks import (I32_MAX, MIN_TEMPERATURE, MOD_LOG_MAX_CHARS, MOD_LOG_MIN_CHARS, SEED_MAX, DeviceName, DType,
-                     _check_device, _DTYPES, _is_int, _is_real, _require)
+                     _check_device, _DTYPES, is_int, is_real, require_fields)
 
 __all__ = ["BackendConfig", "GenerationConfig", "IngestConfig", "ActivationsConfig", "SAEConfig", "RayConfig",
            "RaylensConfig", "SECTIONS", "build_section"]
@@ -68,7 +68,7 @@ class BackendConfig:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"`dtype` must be one of {', '.join(_DTYPES)}, got {self.dtype!r}",
                               parameter="dtype", value=self.dtype)
-        _require(self, "", [
+        require_fields(self, "", [
             ("hidden_state_layer", self.hidden_state_layer >= 0, ">= 0"),
             ("max_batch", isinstance(self.max_batch, int) and 1 <= self.max_batch <= 4096, "in [1, 4096]"),
             ("max_waiting", isinstance(self.max_waiting, int) and self.max_waiting >= 0, ">= 0"),
@@ -80,11 +80,11 @@ class BackendConfig:
              and self.max_step_tokens >= (self.max_batch if isinstance(self.max_batch, int) else 1),
              f">= max_batch ({self.max_batch}: every running request feeds one token per step); raise it or "
              f"lower max_batch"),
-            ("kv_block_size", _is_int(self.kv_block_size) and 1 <= self.kv_block_size <= 1024, "in [1, 1024]"),
+            ("kv_block_size", is_int(self.kv_block_size) and 1 <= self.kv_block_size <= 1024, "in [1, 1024]"),
             ("kv_cache_tokens", self.kv_cache_tokens is None or (
-                _is_int(self.kv_cache_tokens) and _is_int(self.kv_block_size)
+                is_int(self.kv_cache_tokens) and is_int(self.kv_block_size)
                 and self.kv_cache_tokens >= 2 * self.kv_block_size),
-             f">= 2 * kv_block_size ({2 * self.kv_block_size if _is_int(self.kv_block_size) else 2}) or null"),
+             f">= 2 * kv_block_size ({2 * self.kv_block_size if is_int(self.kv_block_size) else 2}) or null"),
             ("prefix_caching", isinstance(self.prefix_caching, bool), "true or false"),
         ])
 
@@ -114,9 +114,9 @@ class GenerationConfig:
     mod_dirs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _require(self, "", [
+        require_fields(self, "", [
             ("mod_call_timeout_s", self.mod_call_timeout_s is None or (
-                _is_real(self.mod_call_timeout_s) and math.isfinite(self.mod_call_timeout_s)
+                is_real(self.mod_call_timeout_s) and math.isfinite(self.mod_call_timeout_s)
                 and self.mod_call_timeout_s >= 0), "a finite number >= 0 (0 or null: no limit)"),
             ("mod_dirs", isinstance(self.mod_dirs, (tuple, list)) and all(isinstance(d, str) for d in self.mod_dirs),
              "a list of directory paths"),
@@ -125,22 +125,22 @@ class GenerationConfig:
         # Integers are bounded by the ingest schema (32-bit signed) and seeds by torch.Generator
         # (64-bit unsigned); floats must be finite, since NaN compares false with every bound.
         max_tokens, top_k, step_limit, seed = self.max_tokens, self.top_k, self.step_limit, self.seed
-        _require(self, "", [
-            ("max_tokens", _is_int(max_tokens), "an integer"),
-            ("max_tokens", not _is_int(max_tokens) or max_tokens >= 1, ">= 1"),
-            ("max_tokens", not _is_int(max_tokens) or max_tokens <= I32_MAX, f"<= {I32_MAX} (32 bits)"),
-            ("temperature", _is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+        require_fields(self, "", [
+            ("max_tokens", is_int(max_tokens), "an integer"),
+            ("max_tokens", not is_int(max_tokens) or max_tokens >= 1, ">= 1"),
+            ("max_tokens", not is_int(max_tokens) or max_tokens <= I32_MAX, f"<= {I32_MAX} (32 bits)"),
+            ("temperature", is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
              ">= 0 and finite (0 is greedy)"),
             # a vanishing temperature is refused, never lifted to a floor behind the caller's back
-            ("temperature", not (_is_real(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE),
+            ("temperature", not (is_real(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE),
              f"0 (greedy) or >= {MIN_TEMPERATURE:g}"),
-            ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", _is_int(top_k) and 0 <= top_k <= I32_MAX, f">= 0 and <= {I32_MAX} (0 disables top-k)"),
-            ("step_limit", step_limit is None or (_is_int(step_limit) and 1 <= step_limit <= I32_MAX),
+            ("top_p", is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", is_int(top_k) and 0 <= top_k <= I32_MAX, f">= 0 and <= {I32_MAX} (0 disables top-k)"),
+            ("step_limit", step_limit is None or (is_int(step_limit) and 1 <= step_limit <= I32_MAX),
              f">= 1 and <= {I32_MAX}, or null"),
-            ("seed", seed is None or (_is_int(seed) and 0 <= seed <= SEED_MAX), ">= 0 and <= 2**64 - 1 (64 bits), or null"),
+            ("seed", seed is None or (is_int(seed) and 0 <= seed <= SEED_MAX), ">= 0 and <= 2**64 - 1 (64 bits), or null"),
             ("stop_tokens", self.stop_tokens is None or (isinstance(self.stop_tokens, (tuple, list)) and all(
-                _is_int(t) and 0 <= t <= I32_MAX for t in self.stop_tokens)),
+                is_int(t) and 0 <= t <= I32_MAX for t in self.stop_tokens)),
              f"a list of token ids in [0, {I32_MAX}] or null"),
         ])
 
@@ -176,13 +176,13 @@ class IngestConfig:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"`ingest.url` must start with http:// or https://, got {self.url!r}",
                               parameter="url", value=self.url)
-        _require(self, "ingest.", [
+        require_fields(self, "ingest.", [
             ("timeout_s", self.timeout_s > 0, "> 0"), ("retries", self.retries >= 0, ">= 0"),
-            ("mod_log_max_chars_per_call", _is_int(self.mod_log_max_chars_per_call)
+            ("mod_log_max_chars_per_call", is_int(self.mod_log_max_chars_per_call)
              and MOD_LOG_MIN_CHARS <= self.mod_log_max_chars_per_call <= MOD_LOG_MAX_CHARS,
              f"an integer in [{MOD_LOG_MIN_CHARS}, {MOD_LOG_MAX_CHARS}] (room for the truncation marker; "
              "under the backend's 75 MiB body limit)"),
-            ("mod_log_max_chars_per_request", _is_int(self.mod_log_max_chars_per_request)
+            ("mod_log_max_chars_per_request", is_int(self.mod_log_max_chars_per_request)
              and self.mod_log_max_chars_per_call <= self.mod_log_max_chars_per_request <= MOD_LOG_MAX_CHARS,
              f"an integer in [ingest.mod_log_max_chars_per_call, {MOD_LOG_MAX_CHARS}]"),
         ])
@@ -200,7 +200,7 @@ class ActivationsConfig:
     memory_limit: str = "1GB"
 
     def __post_init__(self) -> None:
-        _require(self, "activations.", [("retention_days", self.retention_days >= 1, ">= 1"),
+        require_fields(self, "activations.", [("retention_days", self.retention_days >= 1, ">= 1"),
                                         ("threads", self.threads >= 1, ">= 1")])
 
 
@@ -229,11 +229,11 @@ class SAEConfig:
 
     def __post_init__(self) -> None:
         _check_device(self.device)
-        _require(self, "sae.", [("layer", self.layer >= 0, ">= 0"), ("top_k", self.top_k >= 1, ">= 1"),
+        require_fields(self, "sae.", [("layer", self.layer >= 0, ">= 0"), ("top_k", self.top_k >= 1, ">= 1"),
                                  ("block_steps", self.block_steps >= 1, ">= 1"),
                                  ("max_pending_blocks", self.max_pending_blocks >= 1, ">= 1"),
                                  ("retry_attempts", self.retry_attempts >= 1, ">= 1"),
-                                 ("retry_backoff_s", _is_real(self.retry_backoff_s) and math.isfinite(
+                                 ("retry_backoff_s", is_real(self.retry_backoff_s) and math.isfinite(
                                      self.retry_backoff_s) and self.retry_backoff_s >= 0, "a finite number >= 0")])
         if self.mode not in ("nearline", "inline"):
             raise ConfigError(f"`sae.mode` must be nearline or inline, got {self.mode!r}", parameter="mode",
@@ -276,7 +276,7 @@ class RayConfig:
     connect_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _require(self, "ray.", [("sae_workers", self.sae_workers >= 1, ">= 1"),
+        require_fields(self, "ray.", [("sae_workers", self.sae_workers >= 1, ">= 1"),
                                 ("generators", self.generators >= 1, ">= 1"),
                                 ("connect_timeout_s", self.connect_timeout_s > 0, "> 0"),
                                 ("max_inflight_blocks", self.max_inflight_blocks >= 1, ">= 1"),

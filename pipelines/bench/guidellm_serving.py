@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from engine.errors import ConfigError, RaylensError
+from engine.config.checks import is_int, is_real, require_fields
+from engine.errors import RaylensError
 
 from .measure import _machine
 
@@ -51,17 +52,14 @@ class GuidellmBench:
     timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        for name in ("concurrency", "requests", "prompt_tokens", "output_tokens", "worker_processes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"`{name}` must be an integer >= 1, got {value!r}; pass a positive count.",
-                                  parameter=name, value=value)
-        if self.requests < self.concurrency:
-            raise ConfigError(f"`requests` must be >= `concurrency` ({self.concurrency}), got {self.requests}; "
-                              "send at least one request per client.", parameter="requests", value=self.requests)
-        if not self.timeout_s > 0:
-            raise ConfigError(f"`timeout_s` must be > 0, got {self.timeout_s!r}.", parameter="timeout_s",
-                              value=self.timeout_s)
+        counts = ("concurrency", "requests", "prompt_tokens", "output_tokens", "worker_processes")
+        require_fields(self, "", [(name, is_int(getattr(self, name)) and getattr(self, name) >= 1, "an integer >= 1")
+                                  for name in counts])
+        require_fields(self, "", [
+            ("requests", self.requests >= self.concurrency,
+             f">= `concurrency` ({self.concurrency}): at least one request per client"),
+            ("timeout_s", is_real(self.timeout_s) and self.timeout_s > 0, "a number > 0"),
+        ])
 
 
 def guidellm_command(url: str, model_id: str, tokenizer_dir: str, bench: GuidellmBench, output: Path) -> list[str]:

@@ -35,4 +35,8 @@ def test_bench_settings_are_checked():
         GuidellmBench(concurrency=8, requests=4)
     with pytest.raises(ConfigError, match="`output_tokens` must be an integer >= 1"):
         GuidellmBench(output_tokens=0)
+    with pytest.raises(ConfigError, match="`worker_processes` must be an integer >= 1"):
+        GuidellmBench(worker_processes=True)  # a bool is not a count
+    with pytest.raises(ConfigError, match="`timeout_s` must be a number > 0"):
+        GuidellmBench(timeout_s="60")
     assert GuidellmBench().concurrency == 8  # positive control: the defaults pass
