@@ -6,7 +6,7 @@ mods, forced queue, sampling generator, payload, capture plan and stream."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -16,6 +16,10 @@ from engine.model.capture import CapturePlan
 from engine.model.sampling import SamplingParams
 from mods.manager import ModCall, ModManager
 from mods.types import ModAction, ModEvent
+
+if TYPE_CHECKING:  # llguidance is imported only by requests that ask for structured output
+    from engine.core.structured import CompiledGrammar
+    from engine.core.structured.state import GrammarState
 
 __all__ = ["EngineRequest", "RequestState", "PayloadSink", "HiddenSink", "ForwardRecord"]
 
@@ -38,7 +42,7 @@ class EngineRequest:
     mod_call_timeout_s: float | None = None
     source: Any = field(default=None, repr=False, compare=False)
     min_tokens: int = 0  # stop tokens are not drawn before this many tokens were generated
-    grammar: Any = field(default=None, repr=False, compare=False)  # a CompiledGrammar: structured output
+    grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)  # structured output
 
     def portable(self) -> "EngineRequest":
         """This request for another process (a Serve replica reading a GeneratorActor's stream):
@@ -118,7 +122,7 @@ class RequestState:
     prefill_ms: float = 0.0
     started_at: float = 0.0
     # structured output: the request's GrammarState, kept in step with ``generated`` by append/erase
-    grammar: Any = None
+    grammar: GrammarState | None = None
 
     @property
     def request_id(self) -> str:

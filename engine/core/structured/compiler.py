@@ -17,10 +17,13 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.core.structured.spec import GrammarSpec
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.core.structured.state import GrammarState
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "JSON_OPTIONS"]
 
@@ -41,7 +44,7 @@ class CompiledGrammar:
     vocab_size: int
     tokenizer: Any = field(repr=False, compare=False)  # llguidance.LLTokenizer
 
-    def new_state(self) -> Any:
+    def new_state(self) -> GrammarState:
         from engine.core.structured.state import GrammarState
 
         return GrammarState(self)
