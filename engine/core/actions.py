@@ -242,6 +242,7 @@ class PhaseActions:
                         state.max_tokens = int(action.max_steps)
                     if tokens:  # the new prompt is fed by the next forwards (Prefilled is not re-sent)
                         state.prompt_ids, state.cached, state.output = tokens, 0, None
+                        state.history_counts = None  # counted again from the new prompt when next needed
                     self.applied(item)
                     return self.ignore_rest(calls[i + 1:], action)
                 case ForceOutput() | ToolCalls() | EmitError():

@@ -212,9 +212,12 @@ class RequestMachine:
         grammar = state.grammar
         mask = grammar.mask(hold_end=early) if grammar is not None and grammar.attached else None
         suppress = tuple(request.stop_ids) if early and mask is None else ()
-        return SampleRow(plan.logits if plan.logits is not None else state.output.logits,  # type: ignore
-                         params, state.generator, state.tokens if params.needs_history else None,
-                         request.logprobs, list(state.generated) if params.needs_generated else None,
+        logits = plan.logits if plan.logits is not None else state.output.logits  # type: ignore[union-attr]
+        vocab, device = logits.shape[-1], logits.device
+        return SampleRow(logits, params, state.generator,
+                         state.penalty_counts(vocab, device, history=True) if params.needs_history else None,
+                         request.logprobs,
+                         state.penalty_counts(vocab, device, history=False) if params.needs_generated else None,
                          suppress, mask)
 
     def on_sample(self, sample: SampleResult | None) -> bool:

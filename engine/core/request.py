@@ -13,7 +13,7 @@ import torch
 from engine.core.result import FinishReason, IgnoredAction
 from engine.model.backend import ForwardRecord, RowOutput
 from engine.model.capture import CapturePlan
-from engine.model.sampling import SamplingParams
+from engine.model.sampling import SamplingParams, TokenCounts
 from mods.manager import ModCall, ModManager
 from mods.types import ModAction, ModEvent
 
@@ -123,6 +123,9 @@ class RequestState:
     started_at: float = 0.0
     # structured output: the request's GrammarState, kept in step with ``generated`` by append/erase
     grammar: GrammarState | None = None
+    # the penalties' token counts (generated; prompt + generated), from their first use on
+    generated_counts: TokenCounts | None = field(default=None, repr=False)
+    history_counts: TokenCounts | None = field(default=None, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -131,6 +134,19 @@ class RequestState:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.generated
+
+    def penalty_counts(self, vocab: int, device: torch.device, *, history: bool) -> torch.Tensor:
+        """``(V,)`` counts of the generated tokens (presence/frequency penalties), or with
+        ``history`` of the prompt's and generated tokens (repetition penalty). Counted once on
+        first use, then kept in step by :meth:`append` and :meth:`erase`."""
+        counts = self.history_counts if history else self.generated_counts
+        if counts is None or counts.vocab != vocab or counts.device != device:
+            counts = TokenCounts(self.tokens if history else self.generated, vocab, device)
+            if history:
+                self.history_counts = counts
+            else:
+                self.generated_counts = counts
+        return counts.counts
 
     @property
     def length(self) -> int:
@@ -161,6 +177,9 @@ class RequestState:
                           "must leave one of them finite")
                 return []
         self.generated.extend(tokens)
+        for counts in (self.generated_counts, self.history_counts):
+            if counts is not None:
+                counts.add(tokens)
         self.step_committed.extend(tokens)
         if self.request.logprobs >= 0 and tokens:
             first = sample.logprob if sample is not None else None
@@ -174,6 +193,9 @@ class RequestState:
             return
         if self.grammar is not None:
             self.grammar.rollback(n)
+        for counts in (self.generated_counts, self.history_counts):
+            if counts is not None:
+                counts.remove(self.generated[len(self.generated) - n:])
         del self.generated[len(self.generated) - n:]
         del self.logprobs[len(self.generated):]
         del self.step_committed[max(0, len(self.step_committed) - n):]

@@ -1,9 +1,10 @@
 """Choosing the next tokens: pure functions of logits, parameters and per-request generators.
 
 The filters: banned ids, OpenAI's ``logit_bias`` and presence/frequency penalties (over the
-generated tokens), transformers' repetition penalty, the step's suppressed ids (stop tokens before
-``min_tokens``), a structured request's grammar mask, then transformers' temperature, top-k and
-top-p — so top-k/top-p choose among tokens the grammar allows. Randomness comes only from each request's
+generated tokens), transformers' repetition penalty rule (over the prompt and generated tokens;
+both penalties read counts the request keeps, :class:`TokenCounts`), the step's suppressed ids
+(stop tokens before ``min_tokens``), a structured request's grammar mask, then transformers'
+temperature, top-k and top-p — so top-k/top-p choose among tokens the grammar allows. Randomness comes only from each request's
 ``torch.Generator``, never from the global RNG, so a seeded request draws the same tokens whatever
 else shares its batch.
 
@@ -24,7 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "SampleRow", "SampleResult", "sample", "sample_rows", "make_generator", "unpack_mask"]
+__all__ = ["SamplingParams", "SampleRow", "SampleResult", "TokenCounts", "sample", "sample_rows", "make_generator",
+           "unpack_mask"]
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def unpack_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def _processed(scores: torch.Tensor, params: SamplingParams, history: Sequence[int] | None,
+def _processed(scores: torch.Tensor, params: SamplingParams, history: torch.Tensor | None,
                row: "SampleRow | None" = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """``scores (1, V)`` float32 after every filter before temperature (a copy when changed), then
     the warpers unless greedy. ``allowed (V,)`` bool: the row's grammar mask, unpacked."""
@@ -109,16 +111,16 @@ def _processed(scores: torch.Tensor, params: SamplingParams, history: Sequence[i
         bias = torch.tensor([b for _, b in params.logit_bias], dtype=scores.dtype, device=scores.device)
         scores = scores.clone()
         scores[0].index_add_(0, ids, bias)
-    generated = row.generated if row is not None else None
-    if params.needs_generated and generated:
-        counts = torch.bincount(torch.tensor(list(generated), dtype=torch.long, device=scores.device),
-                                minlength=scores.shape[-1])[: scores.shape[-1]].to(scores.dtype)  # (V,)
+    counts = row.generated if row is not None else None
+    if params.needs_generated and counts is not None:
+        counts = counts.to(scores.dtype)  # (V,)
         scores = scores - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype))
-    if params.needs_history and history:
-        from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-
-        ids = torch.tensor([list(history)], dtype=torch.long, device=scores.device)
-        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores.clone())
+    if params.needs_history and history is not None:
+        # transformers' RepetitionPenaltyLogitsProcessor over the tokens present so far: a token
+        # seen before has its logit divided by the penalty, or multiplied when negative
+        penalty = params.repetition_penalty
+        seen = (history > 0)[None, :]
+        scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
     if row is not None and row.suppress:
         scores = scores.clone()
         scores[0, list(row.suppress)] = float("-inf")
@@ -134,14 +136,38 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return sample_rows([SampleRow(logits, params, generator)])[0].token
 
 
+class TokenCounts:
+    """How often each id occurs in a token sequence, as a ``(V,)`` float32 tensor on the logits'
+    device, kept up to date as tokens join and leave. The penalties read it every step; counting
+    the whole sequence again each step would make a request's per-step work grow with its length.
+    Ids outside ``[0, V)`` have no logit to penalise and are not counted."""
+
+    def __init__(self, tokens: Sequence[int], vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.add(tokens)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        self._shift(tokens, 1.0)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        self._shift(tokens, -1.0)
+
+    def _shift(self, tokens: Sequence[int], by: float) -> None:
+        ids = [t for t in tokens if 0 <= t < self.vocab]
+        if ids:
+            self.counts.index_add_(0, torch.tensor(ids, dtype=torch.long, device=self.device),
+                                   torch.full((len(ids),), by, dtype=torch.float32, device=self.device))
+
+
 @dataclass(frozen=True)
 class SampleRow:
     logits: torch.Tensor  # (V,) or (1, V)
     params: SamplingParams
     generator: torch.Generator
-    history: Sequence[int] | None = None  # the request's tokens so far (repetition penalty)
+    history: torch.Tensor | None = None  # (V,) counts of the request's tokens so far (repetition penalty)
     logprobs: int = -1  # -1: none; 0: the chosen token's; k > 0: also the k most likely
-    generated: Sequence[int] | None = None  # the generated tokens so far (presence/frequency penalties)
+    generated: torch.Tensor | None = None  # (V,) counts of the generated tokens (presence/frequency penalties)
     suppress: tuple[int, ...] = ()  # ids not drawn this step (stop tokens before min_tokens)
     mask: torch.Tensor | None = None  # (ceil(V/32),) int32 packed: the tokens a grammar allows next
 

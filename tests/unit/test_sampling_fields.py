@@ -12,7 +12,7 @@ import torch
 
 from engine.core.inputs import GenerationRequest
 from engine.errors import InvalidRequestError
-from engine.model.sampling import SampleRow, SamplingParams, make_generator, sample_rows, unpack_mask
+from engine.model.sampling import SampleRow, SamplingParams, TokenCounts, make_generator, sample_rows, unpack_mask
 
 V = 8
 
@@ -89,9 +89,12 @@ def test_response_format_extensions_need_their_text():
 # -------------------------------------------------------------------------------- sampler math
 
 
-def draw(logits, params, *, seed, logprobs=-1, **row):
+def draw(logits, params, *, seed, logprobs=-1, generated=None, history=None, **row):
+    """One row drawn; ``generated``/``history``: token lists, counted as the request state does."""
+    counted = {name: TokenCounts(tokens, len(logits), torch.device("cpu")).counts
+               for name, tokens in (("generated", generated), ("history", history)) if tokens is not None}
     return sample_rows([SampleRow(torch.tensor(logits, dtype=torch.float32), params,
-                                  make_generator(seed, torch.device("cpu")), logprobs=logprobs, **row)])[0]
+                                  make_generator(seed, torch.device("cpu")), logprobs=logprobs, **counted, **row)])[0]
 
 
 PEAKED = [0.0, 0.0, 0.0, 8.0, 0.0, 0.0, 0.0, 0.0]  # token 3 carries ~99.8% of the mass at temperature 1
@@ -131,6 +134,28 @@ def test_presence_and_frequency_penalties_follow_openais_rule():
     heavy = SamplingParams(temperature=0.0, frequency_penalty=2.0)
     assert draw(logits, heavy, seed=0, generated=generated).token != 3
     assert draw(logits, SamplingParams(temperature=0.0, presence_penalty=-2.0), seed=0, generated=[5]).token == 5
+
+
+def test_repetition_penalty_matches_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = [1.0, -2.0, 0.5, 3.0, 0.0, 1.5, -0.2, 0.1]
+    history = [3, 3, 1, 6, 0]
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.7)
+    got = dict(draw(logits, params, seed=0, logprobs=V, history=history).top)
+    expected = torch.log_softmax(RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([history]),
+                                                                       torch.tensor([logits]))[0], -1)
+    assert max(abs(got[i] - float(expected[i])) for i in range(V)) < 1e-5
+    plain = dict(draw(logits, SamplingParams(temperature=0.0), seed=0, logprobs=V).top)
+    assert abs(plain[3] - got[3]) > 0.1  # positive control: the penalty moved the repeated token
+
+
+def test_token_counts_follow_tokens_joining_and_leaving():
+    counts = TokenCounts([3, 3, 1, 99], 8, torch.device("cpu"))  # 99: no logit, not counted
+    assert counts.counts.tolist() == [0, 1, 0, 2, 0, 0, 0, 0]
+    counts.add([5, 3])
+    counts.remove([3, 1])
+    assert counts.counts.tolist() == [0, 0, 0, 2, 0, 1, 0, 0]
 
 
 def test_suppressed_ids_are_not_drawn_this_step():
