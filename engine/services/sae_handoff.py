@@ -9,11 +9,12 @@ block to its :class:`BlockTransport` and settles what the transport reports:
 * a failed one is sent again under the one :class:`RetryPolicy` (``sae.retry_attempts`` attempts
   in all, ``sae.retry_backoff_s`` apart, doubling) — the store keys batches by id, so a repeat is
   harmless — and when every attempt failed it is recorded in the store's ``missing_blocks`` table
-  with the reason. A gap is always explained and no failure raises into the loop (but a retry's
-  back-off is waited by the thread that settles the block — on the step loop's thread for the
-  inline and Ray transports: 50 ms, then 100 ms, only after a failure);
-* at most ``max_pending`` blocks are unsettled: at the bound the loop waits for one to settle
-  (back-pressure: nothing is dropped), counted as ``backlog_waits``.
+  with the reason. A gap is always explained and no failure raises into the loop. A retry waits
+  out its back-off without holding anyone up: it is parked with the time it is due and sent by
+  whichever settling pass comes after that (the loop settles on every hand-off), so a failing
+  worker never stalls the step loop;
+* at most ``max_pending`` blocks are unsettled (sent or parked for a retry): at the bound the loop
+  waits for one to settle (back-pressure: nothing is dropped), counted as ``backlog_waits``.
 
 Transports, chosen by :func:`handoff_mode` from the config for the Engine and the Ray generator:
 
@@ -134,6 +135,7 @@ class _Pending:
     meta: BlockMeta
     prepared: Any
     attempts: int = 0  # sends so far
+    due: float = 0.0  # parked for a retry: when it may be sent again (time.monotonic)
 
 
 class SAEHandoff:
@@ -155,6 +157,7 @@ class SAEHandoff:
         self._pending: dict[Future[int], _Pending] = {}
         self._encoded: dict[str, tuple[int, Any, Any]] = {}  # request → this forward's (start, values, indices)
         self._settling = 0  # blocks taken out of _pending by a thread that is settling them
+        self._parked: list[_Pending] = []  # failed blocks waiting out their back-off before a retry
         self._lock = threading.Condition()  # notified whenever a block is settled
 
     @property
@@ -166,7 +169,7 @@ class SAEHandoff:
     def backlog(self) -> int:
         """Blocks handed off and not yet settled."""
         with self._lock:
-            return len(self._pending) + self._settling
+            return len(self._pending) + self._settling + len(self._parked)
 
     def report(self) -> dict[str, Any]:
         """Mode, transport, counters and backlog: the generator's ``stats()["sae"]``."""
@@ -228,7 +231,19 @@ class SAEHandoff:
 
     def _sent(self) -> int:
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + len(self._parked)
+
+    def _send_due(self) -> float | None:
+        """Send the parked retries whose back-off is over; the seconds until the next one is due
+        (None: nothing parked)."""
+        now = time.monotonic()
+        with self._lock:
+            due = [item for item in self._parked if item.due <= now]
+            self._parked = [item for item in self._parked if item.due > now]
+            later = min((item.due for item in self._parked), default=None)
+        for item in due:
+            self._send(item)
+        return None if later is None else max(0.0, later - now)
 
     def _send(self, item: _Pending) -> None:
         item.attempts += 1
@@ -245,12 +260,18 @@ class SAEHandoff:
         """Settle every finished send (waiting for one first if ``wait_for_one``); retries sent now
         and already finished (inline) are settled too."""
         while True:
+            next_due = self._send_due()
             with self._lock:
                 futures = list(self._pending)
             if not futures:
-                return
+                if not (wait_for_one and next_due is not None):
+                    return
+                time.sleep(next_due)  # only parked retries are unsettled and the caller must wait
+                continue
             if wait_for_one:
-                done = wait(futures, return_when=FIRST_COMPLETED).done
+                done = wait(futures, timeout=next_due, return_when=FIRST_COMPLETED).done
+                if not done:
+                    continue  # a parked retry fell due first: send it, then wait again
                 wait_for_one = False
             else:
                 done = {f for f in futures if f.done()}
@@ -280,8 +301,11 @@ class SAEHandoff:
                             item.attempts, self.retry.attempts, type(err).__name__, err)
                 delay = self.retry.delay_s(item.attempts)
                 if delay > 0:
-                    time.sleep(delay)
-                self._send(item)
+                    item.due = time.monotonic() + delay
+                    with self._lock:
+                        self._parked.append(item)
+                else:
+                    self._send(item)
             else:
                 self._give_up(item.meta, err, attempts=item.attempts)
             return
@@ -304,7 +328,7 @@ class SAEHandoff:
         thread is settling: a retry it is about to send)."""
         while True:
             with self._lock:
-                if not self._pending:
+                if not self._pending and not self._parked:
                     if not self._settling:
                         return
                     self._lock.wait()

@@ -142,6 +142,27 @@ def test_a_block_that_always_fails_is_recorded_missing_and_the_loop_goes_on(kind
             handoff.stats.blocks_missing, handoff.stats.rows_written) == (1, 0, 2, 1, 0)
 
 
+@pytest.mark.parametrize("kind", ["inline", "off-thread"])
+def test_a_retry_waits_out_its_backoff_without_holding_up_the_loop(kind, sae_dir):
+    """The loop's call hands the block off and returns while the failed block is parked; later
+    calls (here: the closing drain) send it when its back-off is over."""
+    writer = FlakyWriter(failures=2)
+    handoff = SAEHandoff(transport(kind, writer, sae_dir), layer=LAYER, block_steps=1, max_pending=4,
+                         retry=RetryPolicy(attempts=3, backoff_s=0.05))
+    gen = torch.Generator().manual_seed(1)
+    handoff.on_forward("r", 0, ForwardRecord(0, (1, 2, 3), {LAYER: torch.randn(3, D_IN, generator=gen)}))
+    if kind == "off-thread":  # the worker answers later: the next hand-off settles the failure
+        while writer.tries.get("r/0", 0) < 1:
+            threading.Event().wait(0.01)
+        handoff.on_forward("r", 1, ForwardRecord(3, (4,), {LAYER: torch.randn(1, D_IN, generator=gen)}))
+    # the first attempt failed and was settled by a loop call that returned without re-sending
+    assert writer.tries["r/0"] == 1 and handoff.stats.blocks_retried >= 1 and handoff.backlog >= 1
+    handoff.finish("r")
+    handoff.close()
+    assert set(writer.tries.values()) == {3} and set(writer.stored) == set(writer.tries) and writer.missing == []
+    assert handoff.backlog == 0
+
+
 def test_the_attempts_come_from_the_policy(sae_dir):
     writer = FlakyWriter(failures=None)
     handoff = SAEHandoff(OffThreadTransport(writer), layer=LAYER, block_steps=4, max_pending=4,
