@@ -13,9 +13,17 @@ Rows. Texts are tokenised (raw, or as a user turn in the model's chat template),
 cut into rows of ``context_size`` tokens, each row opening with the tokenizer's BOS (or EOS)
 token. sae-lens leaves special tokens out of every metric, so the opening token — where the
 attention sink sits, with a residual norm ~100x the others — is left out, as the SAE's training
-left position 0 out (its ``seqpos_slice`` is ``(1, None)``). Exactly ``batches × batch_prompts``
-rows are used: sae-lens reads the reconstruction metrics from them, then wraps around and reads
-the sparsity and variance metrics from the same rows.
+left position 0 out (its ``seqpos_slice`` is ``(1, None)``).
+
+A row cut from the middle of a text sometimes makes a second sink of its first word (about one
+row in thirty here: norm ~25,000 against a median of ~180). Such a token is an artefact of the
+cut, not text a user sends, and it would own most of the row set's variance: explained variance
+would then measure that one token (higher than the rest: the figure would flatter the SAE).
+So, as in the SAE's training, a row holding a non-special token whose norm at the SAE's hook is
+over ``sink_ratio`` × the median is left out and the next row taken; the figures say how many
+(``rows_left_out``). Exactly ``batches × batch_prompts`` rows are evaluated: sae-lens reads the
+reconstruction metrics from them, then wraps around and reads the sparsity and variance metrics
+from the same rows.
 
 ``import sae_lens`` and ``transformer_lens`` are slow (~15 s cold); both are imported when an
 evaluation runs.
@@ -23,13 +31,14 @@ evaluation runs.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 from engine.errors import InvalidRequestError
 
 __all__ = ["SAEEvalSettings", "SAEEvalFigures", "TEXT_KINDS", "hooked_transformer", "separator_id", "pack_rows",
-           "rows_from_texts", "rows_from_sequences", "activations_store", "eval_config", "run_sae_lens_evals", "figures_from"]
+           "rows_from_texts", "rows_from_sequences", "sink_rows", "activations_store", "eval_config",
+           "run_sae_lens_evals", "figures_from"]
 
 TEXT_KINDS = ("raw", "chat")
 
@@ -37,13 +46,16 @@ TEXT_KINDS = ("raw", "chat")
 @dataclass(frozen=True)
 class SAEEvalSettings:
     """How much text an evaluation reads: ``batches × batch_prompts`` rows of ``context_size``
-    tokens (the opening separator included). ``dense_threshold``: a feature active on more than
-    this share of tokens counts as dense."""
+    tokens (the opening separator included); 16 × 4 × 128 is ~8k tokens, enough that a feature
+    firing once in a few thousand tokens is not counted dead. ``dense_threshold``: a feature active
+    on more than this share of tokens counts as dense. ``sink_ratio``: a row with a token this many
+    times the median norm is an attention sink's row, left out."""
 
     context_size: int = 128
     batch_prompts: int = 4
-    batches: int = 4
+    batches: int = 16
     dense_threshold: float = 0.1
+    sink_ratio: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("context_size", "batch_prompts", "batches"):
@@ -55,6 +67,9 @@ class SAEEvalSettings:
         if not 0 < self.dense_threshold <= 1:
             raise InvalidRequestError(f"`dense_threshold` must be in (0, 1], got {self.dense_threshold!r}",
                                       parameter="dense_threshold", value=self.dense_threshold)
+        if not self.sink_ratio > 1:
+            raise InvalidRequestError(f"`sink_ratio` must be > 1, got {self.sink_ratio!r}", parameter="sink_ratio",
+                                      value=self.sink_ratio)
 
     @property
     def rows(self) -> int:
@@ -83,6 +98,7 @@ class SAEEvalFigures:
     kl_div_with_ablation: float
     mse: float
     cossim: float
+    rows_left_out: int = 0  # rows skipped for an attention sink (see the module's docstring)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,8 +135,9 @@ def separator_id(tokenizer: Any) -> int:
 
 
 def pack_rows(token_lists: Sequence[Sequence[int]], settings: SAEEvalSettings, separator: int) -> list[list[int]]:
-    """``settings.rows`` rows of ``context_size`` ids: ``[separator] + the next context_size - 1
-    ids`` of the texts' tokens end to end. Too little text is refused, naming how much is needed."""
+    """Rows of ``context_size`` ids: ``[separator] + the next context_size - 1 ids`` of the texts'
+    tokens end to end — ``settings.rows`` of them, and as many again where the text goes on (spares
+    for rows left out for an attention sink). Too little text is refused, naming how much is needed."""
     stream = [int(t) for ids in token_lists for t in ids]
     body = settings.context_size - 1
     need = settings.rows * body
@@ -129,7 +146,8 @@ def pack_rows(token_lists: Sequence[Sequence[int]], settings: SAEEvalSettings, s
             f"the texts must give at least {need} tokens ({settings.rows} rows of {settings.context_size}), got "
             f"{len(stream)}; add text or lower --batches, --batch-prompts or --context-size", parameter="texts",
             value=len(stream))
-    return [[separator] + stream[i * body:(i + 1) * body] for i in range(settings.rows)]
+    count = min(2 * settings.rows, len(stream) // body)
+    return [[separator] + stream[i * body:(i + 1) * body] for i in range(count)]
 
 
 def rows_from_texts(tokenizer: Any, texts: Sequence[str], kind: str, settings: SAEEvalSettings) -> list[list[int]]:
@@ -161,6 +179,28 @@ def _chat_ids(tokenizer: Any, text: str) -> list[int]:
     return [int(t) for t in ids]
 
 
+def sink_rows(model: Any, hook_name: str, rows: list[list[int]], settings: SAEEvalSettings) -> list[bool]:
+    """Per row: does a non-special token after the opening one have a norm at ``hook_name`` over
+    ``settings.sink_ratio`` × the median of all such tokens (an attention sink)?"""
+    import re
+
+    import torch
+
+    special = torch.tensor(sorted(set(getattr(model.tokenizer, "all_special_ids", None) or [])), dtype=torch.long)
+    match = re.match(r"blocks\.(\d+)\.", hook_name)
+    stop = int(match.group(1)) + 1 if match else None
+    norms = []
+    with torch.inference_mode():
+        for start in range(0, len(rows), settings.batch_prompts):
+            batch = torch.tensor(rows[start:start + settings.batch_prompts], dtype=torch.long)
+            _, cache = model.run_with_cache(batch, names_filter=[hook_name], stop_at_layer=stop)
+            norms.append(cache[hook_name].float().norm(dim=-1)[:, 1:])  # (b, context - 1)
+    norm = torch.cat(norms)
+    ordinary = ~torch.isin(torch.tensor(rows, dtype=torch.long)[:, 1:], special)
+    median = norm[ordinary].median()
+    return ((norm > settings.sink_ratio * median) & ordinary).any(dim=1).tolist()
+
+
 def activations_store(model: Any, sae: Any, rows: list[list[int]], settings: SAEEvalSettings) -> Any:
     """sae-lens' ``ActivationsStore`` over ``rows`` (an in-memory pre-tokenised dataset)."""
     from datasets import Dataset
@@ -184,17 +224,30 @@ def eval_config(settings: SAEEvalSettings) -> Any:
 
 def run_sae_lens_evals(sae: Any, model: Any, rows: list[list[int]], settings: SAEEvalSettings,
                        *, text: str) -> tuple[SAEEvalFigures, dict[str, Any], dict[str, Any]]:
-    """``sae_lens.evals.run_evals`` on ``rows``: the figures, and sae-lens' own ``(metrics,
-    feature_metrics)`` as it returned them."""
+    """``sae_lens.evals.run_evals`` on the first ``settings.rows`` of ``rows`` without an attention
+    sink: the figures, and sae-lens' own ``(metrics, feature_metrics)`` as it returned them."""
     from sae_lens.evals import run_evals
     from sae_lens.training.activation_scaler import ActivationScaler
 
-    if len(rows) != settings.rows:
-        raise InvalidRequestError(f"`rows` must hold exactly {settings.rows} rows (batches x batch_prompts), got "
+    if len(rows) < settings.rows:
+        raise InvalidRequestError(f"`rows` must hold at least {settings.rows} rows (batches x batch_prompts), got "
                                   f"{len(rows)}", parameter="rows", value=len(rows))
-    store = activations_store(model, sae, rows, settings)
+    kept: list[list[int]] = []
+    left_out = 0
+    for row, sink in zip(rows, sink_rows(model, sae.cfg.metadata.hook_name, rows, settings)):
+        if len(kept) == settings.rows:
+            break
+        left_out += sink
+        if not sink:
+            kept.append(row)
+    if len(kept) < settings.rows:
+        raise InvalidRequestError(
+            f"only {len(kept)} of the {len(rows)} rows have no attention sink, {settings.rows} are needed; add text or "
+            "lower --batches or --batch-prompts", parameter="texts", value=len(kept))
+    store = activations_store(model, sae, kept, settings)
     metrics, feature_metrics = run_evals(sae, store, model, ActivationScaler(), eval_config(settings))
-    return figures_from(metrics, feature_metrics, settings, text=text), metrics, feature_metrics
+    figures = figures_from(metrics, feature_metrics, settings, text=text)
+    return replace(figures, rows_left_out=left_out), metrics, feature_metrics
 
 
 def figures_from(metrics: dict[str, Any], feature_metrics: dict[str, Any], settings: SAEEvalSettings, *,

@@ -23,7 +23,8 @@ _ROWS = (("CE-loss score", "ce_loss_score"), ("KL score", "kl_div_score"),
          ("explained variance", "explained_variance"), ("L0", "l0"), ("dead fraction", "dead_fraction"),
          ("dense fraction", "dense_fraction"), ("CE loss, original", "ce_loss_without_sae"),
          ("CE loss, SAE spliced in", "ce_loss_with_sae"), ("CE loss, hook zeroed", "ce_loss_with_ablation"),
-         ("KL, SAE spliced in", "kl_div_with_sae"), ("tokens per pass", "tokens"))
+         ("KL, SAE spliced in", "kl_div_with_sae"), ("tokens per pass", "tokens"),
+         ("rows left out (attention sink)", "rows_left_out"))
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +36,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="raw text, or each text as a user turn in the model's chat template")
     p.add_argument("--context-size", type=int, default=128, help="tokens per row, the opening BOS included")
     p.add_argument("--batch-prompts", type=int, default=4, help="rows per forward pass")
-    p.add_argument("--batches", type=int, default=4, help="batches per metric pass (rows = batches x batch-prompts)")
+    p.add_argument("--batches", type=int, default=16,
+                   help="batches per metric pass (rows = batches x batch-prompts; default 16: ~8k tokens)")
     p.add_argument("--out", required=True, help="JSON file for the figures and sae-lens' own metrics")
     p.add_argument("--config", help="YAML config naming the model (default: configs/local.yaml or $RAYLENS_CONFIG)")
     p.set_defaults(func=_cmd_sae_eval)

@@ -1,6 +1,6 @@
 """sae-lens' evaluation of the committed SAE on text outside its training corpus, into its report.
 
-    python -m pipelines.sae_training.heldout_evals [--sae-dir DIR] [--batches 4]
+    python -m pipelines.sae_training.heldout_evals [--sae-dir DIR] [--batches 16]
 
 The training report's held-out figures come from the last sequences of the training corpus's own
 sources; users send other text. This measures the SAE with sae-lens' ``run_evals``
@@ -14,7 +14,7 @@ GFDL-1.3+), fetched by name like the corpus's packages:
 The figures (CE-loss score, KL score, explained variance, L0, dead and dense fractions) go into the
 SAE directory's ``training_report.json`` under ``sae_lens_heldout``, with the package, version and
 licence; the committed-report test asserts them. Dead and dense fractions here count features over
-these few thousand tokens only (a feature that fires once in 100k tokens looks dead here); the
+these ~8k tokens only (a feature that fires once in 100k tokens looks dead here); the
 report's ``heldout.dead_fraction`` is the one over the whole held-out mix.
 """
 

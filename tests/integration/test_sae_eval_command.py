@@ -135,3 +135,36 @@ def test_user_mistakes_exit_2_with_one_line_and_no_traceback(capsys, texts_file,
 def test_out_must_be_a_json_file(capsys, texts_file, tmp_path):
     code, _, err = run(capsys, "sae-eval", "--texts-file", str(texts_file), "--out", str(tmp_path / "eval.txt"))
     assert code == 2 and "`--out` must be a .json file" in err and "Traceback" not in err
+
+
+def test_a_row_whose_first_word_is_an_attention_sink_is_left_out(engine):
+    """After the opening BOS, " graphical" becomes a second attention sink (norm ~100x the median
+    at layer 16: the model decides that from positions 0-1 alone). Its row is left out and the
+    next one evaluated: the figures equal those of the ordinary rows alone."""
+    from sae_lens import SAE
+
+    from engine.model.loading import resolve_model_path
+    from engine.services.sae import SAE_REGISTRY
+    from engine.services.sae_eval import SAEEvalSettings, hooked_transformer, run_sae_lens_evals, sink_rows
+
+    backend = engine.config.backend
+    tokenizer = engine.tokenizer
+    model = hooked_transformer(resolve_model_path(backend.model_id, backend.model_cache_dir), tokenizer)
+    sae = SAE.load_from_disk(SAE_REGISTRY[SAE_NAME].path, dtype="float32")
+    settings = SAEEvalSettings(context_size=32, batch_prompts=2, batches=1)
+    stream = [t for text in TEXTS for t in tokenizer.encode(text, add_special_tokens=False)]
+    sink = [tokenizer.bos_token_id] + tokenizer.encode(
+        " graphical interface, the window manager draws every frame of every window, and the toolkit lays out "
+        "the widgets inside each of them before the compositor puts the frames together", add_special_tokens=False)
+    ordinary = [[tokenizer.bos_token_id] + stream[i * 31:(i + 1) * 31] for i in range(2)]
+    rows = [sink[:32]] + ordinary
+    assert len(rows[0]) == 32
+    assert sink_rows(model, sae.cfg.metadata.hook_name, rows, settings) == [True, False, False]
+    left, _, _ = run_sae_lens_evals(sae, model, rows, settings, text="raw")
+    alone, _, _ = run_sae_lens_evals(sae, model, ordinary, settings, text="raw")
+    assert left.rows_left_out == 1 and alone.rows_left_out == 0
+    assert left.explained_variance == alone.explained_variance and left.ce_loss_score == alone.ce_loss_score
+    # positive control: evaluated with the sink's row, the figures would differ
+    with_sink, _, _ = run_sae_lens_evals(sae, model, rows, SAEEvalSettings(context_size=32, batch_prompts=2,
+                                                                         batches=1, sink_ratio=1e9), text="raw")
+    assert with_sink.rows_left_out == 0 and with_sink.explained_variance != alone.explained_variance
