@@ -104,7 +104,7 @@ CE_LOSS_SCORE_MIN = 0.9
 HELDOUT_TEXTS = ("raw", "chat")
 #: Measured by pipelines/sae_training/heldout_evals.py; strict, so a better SAE makes it fail until removed.
 RAW_TEXT_EV_NOT_MET = pytest.mark.xfail(
-    strict=True, reason="GNU Coding Standards paragraphs as raw text explain 0.827 of their variance, short of 0.85")
+    strict=True, reason="GNU Coding Standards paragraphs as raw text explain 0.834 of their variance, short of 0.85")
 
 
 def test_sae_lens_figures_on_text_outside_the_corpus_name_their_source_and_licence(report):
@@ -117,7 +117,8 @@ def test_sae_lens_figures_on_text_outside_the_corpus_name_their_source_and_licen
     for kind in HELDOUT_TEXTS:
         figures = heldout["by_text"][kind]
         assert figures["text"] == kind and figures["rows"] == settings["batches"] * settings["batch_prompts"]
-        assert figures["tokens"] == figures["rows"] * settings["context_size"] >= 2048, figures
+        assert figures["tokens"] == figures["rows"] * settings["context_size"] >= 8192, figures
+        assert 0 <= figures["rows_left_out"] < figures["rows"] // 4, figures  # attention-sink rows, counted
         # positive control of the CE-loss score: zeroing the hook must cost far more than the SAE does
         assert figures["ce_loss_with_ablation"] > figures["ce_loss_with_sae"] >= figures["ce_loss_without_sae"] * 0.99
 
