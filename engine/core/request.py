@@ -148,6 +148,12 @@ class RequestState:
                 self.generated_counts = counts
         return counts.counts
 
+    def _count(self, tokens: Sequence[int], *, removed: bool) -> None:
+        """Keep the penalties' counts (those in use) in step with tokens joining or leaving."""
+        for counts in (self.generated_counts, self.history_counts):
+            if counts is not None:
+                (counts.remove if removed else counts.add)(tokens)
+
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
@@ -177,9 +183,7 @@ class RequestState:
                           "must leave one of them finite")
                 return []
         self.generated.extend(tokens)
-        for counts in (self.generated_counts, self.history_counts):
-            if counts is not None:
-                counts.add(tokens)
+        self._count(tokens, removed=False)
         self.step_committed.extend(tokens)
         if self.request.logprobs >= 0 and tokens:
             first = sample.logprob if sample is not None else None
@@ -193,9 +197,7 @@ class RequestState:
             return
         if self.grammar is not None:
             self.grammar.rollback(n)
-        for counts in (self.generated_counts, self.history_counts):
-            if counts is not None:
-                counts.remove(self.generated[len(self.generated) - n:])
+        self._count(self.generated[len(self.generated) - n:], removed=True)
         del self.generated[len(self.generated) - n:]
         del self.logprobs[len(self.generated):]
         del self.step_committed[max(0, len(self.step_committed) - n):]
