@@ -240,9 +240,8 @@ class PhaseActions:
                         continue
                     if int(action.max_steps or 0) > 0:
                         state.max_tokens = int(action.max_steps)
-                    if tokens:  # the new prompt is fed by the next forwards (Prefilled is not re-sent)
-                        state.prompt_ids, state.cached, state.output = tokens, 0, None
-                        state.history_counts = None  # counted again from the new prompt when next needed
+                    if tokens:
+                        state.replace_prompt(tokens)
                     self.applied(item)
                     return self.ignore_rest(calls[i + 1:], action)
                 case ForceOutput() | ToolCalls() | EmitError():

@@ -215,9 +215,9 @@ class RequestMachine:
         logits = plan.logits if plan.logits is not None else state.output.logits  # type: ignore[union-attr]
         vocab, device = logits.shape[-1], logits.device
         return SampleRow(logits, params, state.generator,
-                         state.penalty_counts(vocab, device, history=True) if params.needs_history else None,
+                         state.penalty_counts("history", vocab, device) if params.needs_history else None,
                          request.logprobs,
-                         state.penalty_counts(vocab, device, history=False) if params.needs_generated else None,
+                         state.penalty_counts("generated", vocab, device) if params.needs_generated else None,
                          suppress, mask)
 
     def on_sample(self, sample: SampleResult | None) -> bool:

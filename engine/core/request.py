@@ -123,9 +123,9 @@ class RequestState:
     started_at: float = 0.0
     # structured output: the request's GrammarState, kept in step with ``generated`` by append/erase
     grammar: GrammarState | None = None
-    # the penalties' token counts (generated; prompt + generated), from their first use on
-    generated_counts: TokenCounts | None = field(default=None, repr=False)
-    history_counts: TokenCounts | None = field(default=None, repr=False)
+    # the penalties' token counts, by what they count ("generated"; "history": prompt + generated),
+    # from their first use on
+    counts: dict[str, TokenCounts] = field(default_factory=dict, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -135,24 +135,26 @@ class RequestState:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.generated
 
-    def penalty_counts(self, vocab: int, device: torch.device, *, history: bool) -> torch.Tensor:
-        """``(V,)`` counts of the generated tokens (presence/frequency penalties), or with
-        ``history`` of the prompt's and generated tokens (repetition penalty). Counted once on
-        first use, then kept in step by :meth:`append` and :meth:`erase`."""
-        counts = self.history_counts if history else self.generated_counts
+    def penalty_counts(self, kind: str, vocab: int, device: torch.device) -> torch.Tensor:
+        """``(V,)`` counts of the ``"generated"`` tokens (presence/frequency penalties) or of the
+        ``"history"``, the prompt's and generated tokens (repetition penalty). Counted once on
+        first use, then kept in step by :meth:`append`, :meth:`erase` and :meth:`replace_prompt`."""
+        counts = self.counts.get(kind)
         if counts is None or counts.vocab != vocab or counts.device != device:
-            counts = TokenCounts(self.tokens if history else self.generated, vocab, device)
-            if history:
-                self.history_counts = counts
-            else:
-                self.generated_counts = counts
+            counts = self.counts[kind] = TokenCounts(self.tokens if kind == "history" else self.generated, vocab,
+                                                     device)
         return counts.counts
+
+    def replace_prompt(self, tokens: list[int]) -> None:
+        """AdjustedPrefill: the new prompt is fed by the next forwards (Prefilled is not re-sent);
+        counts that include the old prompt are dropped and counted again when next needed."""
+        self.prompt_ids, self.cached, self.output = list(tokens), 0, None
+        self.counts.pop("history", None)
 
     def _count(self, tokens: Sequence[int], *, removed: bool) -> None:
         """Keep the penalties' counts (those in use) in step with tokens joining or leaving."""
-        for counts in (self.generated_counts, self.history_counts):
-            if counts is not None:
-                (counts.remove if removed else counts.add)(tokens)
+        for counts in self.counts.values():
+            (counts.remove if removed else counts.add)(tokens)
 
     @property
     def length(self) -> int:

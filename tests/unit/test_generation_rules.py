@@ -218,6 +218,23 @@ def test_adjusted_prefill_replaces_the_prompt_and_honours_max_steps():
     assert event_types(result).count("Prefilled") == 1  # not re-dispatched
 
 
+def test_the_repetition_penalty_counts_the_adjusted_prompt_not_the_original():
+    # the script wants "h" (logit 10) then "e" (5); a penalty of 3 takes "h" to 3.3 once "h" is seen
+    eng = scripted_engine()
+
+    def first_token(prompt: str, mods=()) -> str:
+        handle = eng.submit(input_ids=ids(prompt), mods=list(mods), max_tokens=1, repetition_penalty=3.0)
+        return handle.result(timeout=30).output_text
+
+    try:
+        assert first_token("Q:") == "h"
+        assert first_token("Q:", [on(Prefilled, lambda e: AdjustedPrefill(ids("h"), 1))]) == "e"
+        assert first_token("h") == "e"
+        assert first_token("h", [on(Prefilled, lambda e: AdjustedPrefill(ids("Q:"), 1))]) == "h"  # "h" left
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("event_cls,step", [(Prefilled, 0), (ForwardPass, 2), (Sampled, 2), (Added, 2)])
 def test_force_output_replaces_the_whole_output(event_cls, step):
     result, _ = run([on(event_cls, lambda e: ForceOutput(ids("FORCED")), step=step)])

@@ -26,8 +26,8 @@ def _fresh(tokens: list[int]) -> list[float]:
 
 def test_counts_follow_appends_and_erases():
     state = _state([1, 2, 2])
-    generated = state.penalty_counts(VOCAB, CPU, history=False)
-    history = state.penalty_counts(VOCAB, CPU, history=True)
+    generated = state.penalty_counts("generated", VOCAB, CPU)
+    history = state.penalty_counts("history", VOCAB, CPU)
     assert generated.tolist() == [0.0] * VOCAB and history.tolist() == _fresh([1, 2, 2])
     state.append([5, 5, 7])
     state.append([2])
@@ -36,15 +36,18 @@ def test_counts_follow_appends_and_erases():
     assert state.generated == [5, 5]
     assert generated.tolist() == _fresh([5, 5]) and history.tolist() == _fresh([1, 2, 2, 5, 5])
     # the same tensors are read every step: nothing was re-counted
-    assert state.penalty_counts(VOCAB, CPU, history=False) is generated
+    assert state.penalty_counts("generated", VOCAB, CPU) is generated
 
 
 def test_a_new_prompt_or_vocabulary_is_counted_afresh():
     state = _state([1, 1])
     state.append([3])
-    first = state.penalty_counts(VOCAB, CPU, history=True)
-    state.prompt_ids, state.history_counts = [4], None  # what AdjustedPrefill does
-    assert state.penalty_counts(VOCAB, CPU, history=True).tolist() == _fresh([4, 3])
+    first = state.penalty_counts("history", VOCAB, CPU)
+    kept = state.penalty_counts("generated", VOCAB, CPU)
+    state.replace_prompt([4])  # what AdjustedPrefill does
+    assert state.penalty_counts("history", VOCAB, CPU).tolist() == _fresh([4, 3])
     assert first.tolist() == _fresh([1, 1, 3])  # the old tensor is no longer kept in step
-    wider = state.penalty_counts(VOCAB + 4, CPU, history=False)  # logits of another width
+    assert state.penalty_counts("generated", VOCAB, CPU) is kept  # the generated tokens did not change
+    assert state.cached == 0 and state.output is None  # the new prompt is fed by the next forwards
+    wider = state.penalty_counts("generated", VOCAB + 4, CPU)  # logits of another width
     assert wider.shape == (VOCAB + 4,) and wider[3] == 1.0
