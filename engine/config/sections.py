@@ -57,6 +57,11 @@ class BackendConfig:
     # reuse the keys/values (and captured internals) of a cached prompt prefix; a request's
     # `prefix_cache` overrides it
     prefix_caching: bool = True
+    # the captured internals cached blocks keep (hidden and attention rows, so a hit gives mods and
+    # stores what a fresh prefill would): at most this many MiB, least recently used evicted first;
+    # attention rows grow with the square of the prefix (1 GiB per 4k-token prefix and attention
+    # layer on an 8B model). null: no bound
+    prefix_cache_rows_mb: int | None = 2048
 
     def __post_init__(self) -> None:
         if self.backend_type != "huggingface":
@@ -86,6 +91,8 @@ class BackendConfig:
                 and self.kv_cache_tokens >= 2 * self.kv_block_size),
              f">= 2 * kv_block_size ({2 * self.kv_block_size if is_int(self.kv_block_size) else 2}) or null"),
             ("prefix_caching", isinstance(self.prefix_caching, bool), "true or false"),
+            ("prefix_cache_rows_mb", self.prefix_cache_rows_mb is None or (
+                is_int(self.prefix_cache_rows_mb) and self.prefix_cache_rows_mb >= 0), ">= 0 or null"),
         ])
 
 

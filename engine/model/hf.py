@@ -91,7 +91,8 @@ class HuggingFaceBackend:
         self.cache = PagedKVCache(num_layers=self.info.num_layers, kv_heads=self.info.num_key_value_heads,
                                   head_dim=head_dim, block_size=bs, blocks=blocks, max_blocks=max_blocks,
                                   dtype=self.dtype, device=self.device)
-        self.blocks = KVBlocks(self.cache)
+        rows_mb = config.prefix_cache_rows_mb
+        self.blocks = KVBlocks(self.cache, rows_budget=None if rows_mb is None else rows_mb * 2**20)
         self._graphs: dict[GraphKey, StaticDecode] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_capture else None
         self.graph_stats = {"static_steps": 0, "eager_steps": 0, "graphs": 0}

@@ -59,8 +59,12 @@ class _Request:
 
 
 class KVBlocks:
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, *, rows_budget: int | None = None) -> None:
+        """``rows_budget``: bytes the captured rows of cached blocks may take (None: no bound);
+        past it the least recently released cached blocks are evicted, and while every cached
+        block is held a new one is not indexed."""
         self.cache = cache
+        self.rows_budget = rows_budget
         self.block_size = cache.block_size
         self.index = PrefixIndex()
         self.allocator = BlockAllocator(num_blocks=cache.num_blocks, max_blocks=cache.max_blocks,
@@ -91,8 +95,8 @@ class KVBlocks:
         request = self._requests.pop(request_id, None)
         if request is not None:
             self._reserved -= request.reserved
-            for block in request.table:
-                self.allocator.release(block)
+            for block in reversed(request.table):  # a prefix's tail is evicted before its head,
+                self.allocator.release(block)     # whose loss would strand every block after it
 
     def clear(self) -> None:
         for request_id in list(self._requests):
@@ -155,7 +159,7 @@ class KVBlocks:
                                       value=start)
         if start < request.length:
             keep = self._blocks(start)
-            for block in request.table[keep:]:
+            for block in reversed(request.table[keep:]):
                 allocator.release(block)
             del request.table[keep:], request.keys[start // bs:], request.tokens[start:], request.rows[start:]
             request.length = start
@@ -207,10 +211,24 @@ class KVBlocks:
             if any(r is None for r in rows):
                 return
             key = block_key(request.keys[-1] if request.keys else None, request.tokens[i * bs:end])
-            if self.index.put(key, request.table[i], _block_rows(rows, end)):  # type: ignore[arg-type]
+            if self.index.get(key) is None:  # else another block holds this prefix already
+                block_rows = _block_rows(rows, end)  # type: ignore[arg-type]
+                if not self._room_for(block_rows.nbytes()):
+                    return  # every cached block is held: offered again after the next forward
+                self.index.put(key, request.table[i], block_rows)
                 self.allocator.mark_cached(request.table[i])
             request.keys.append(key)
             request.rows[i * bs:end] = [None] * bs  # the index holds them now
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Evict cached blocks nobody holds, least recently released first, until ``nbytes`` more
+        rows fit the budget; False when they cannot."""
+        if self.rows_budget is None:
+            return True
+        while self.index.rows_bytes + nbytes > self.rows_budget:
+            if not self.allocator.evict_oldest():
+                return False
+        return True
 
     # -------------------------------------------------------------------------------- stats
 
@@ -229,7 +247,8 @@ class KVBlocks:
             "prompt_tokens": self.stats.prompt_tokens,
             "hit_tokens": self.stats.hit_tokens,
             "hit_rate": self.stats.hit_rate,
-            "cached_rows_bytes": self.index.rows_nbytes(),
+            "cached_rows_bytes": self.index.rows_bytes,
+            "cached_rows_budget_bytes": self.rows_budget,
             "kv_bytes": self.cache.nbytes(),
         }
 

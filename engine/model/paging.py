@@ -69,14 +69,26 @@ class BlockAllocator:
         if self._free:
             block = self._free.pop()
         elif self._lru:
-            block, _ = self._lru.popitem(last=False)
-            self._cached.discard(block)
-            self._on_evict(block)
-            self.evictions += 1
+            block = self._evict_oldest()
         else:
             raise QueueFullError(f"all {self.usable} KV blocks are held by running requests; wait for one to "
                                  f"finish, or raise backend.kv_cache_tokens")
         self.refs[block] = 1
+        return block
+
+    def evict_oldest(self) -> bool:
+        """Free the least recently released cached block nobody holds (the prefix cache is over
+        its rows budget); False when there is none."""
+        if not self._lru:
+            return False
+        self._free.append(self._evict_oldest())
+        return True
+
+    def _evict_oldest(self) -> int:
+        block, _ = self._lru.popitem(last=False)
+        self._cached.discard(block)
+        self._on_evict(block)
+        self.evictions += 1
         return block
 
     def retain(self, block: int) -> None:

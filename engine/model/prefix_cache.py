@@ -69,6 +69,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._by_key: dict[bytes, CachedBlock] = {}
         self._key_of: dict[int, bytes] = {}
+        self.rows_bytes = 0  # captured rows every indexed block keeps, kept as entries come and go
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -82,12 +83,13 @@ class PrefixIndex:
             return False
         self._by_key[key] = CachedBlock(key, block, rows)
         self._key_of[block] = key
+        self.rows_bytes += rows.nbytes()
         return True
 
     def evict(self, block: int) -> None:
         key = self._key_of.pop(block, None)
         if key is not None:
-            self._by_key.pop(key, None)
+            self.rows_bytes -= self._by_key.pop(key).rows.nbytes()
 
     def lookup(self, tokens: Sequence[int], block_size: int, max_blocks: int, plan: CapturePlan) -> list[CachedBlock]:
         """The longest run of cached blocks (at most ``max_blocks``) starting at position 0 whose
@@ -101,9 +103,6 @@ class PrefixIndex:
                 break
             hits.append(entry)
         return hits
-
-    def rows_nbytes(self) -> int:
-        return sum(e.rows.nbytes() for e in self._by_key.values())
 
 
 def hit_capture(hits: Sequence[CachedBlock], plan: CapturePlan) -> RowCapture:

@@ -344,3 +344,26 @@ def test_the_prefix_bench_runs_small_and_reports_reuse(eng):
     assert chats["off"]["reused_tokens"] == 0 and chats["on_cached"]["reused_tokens"] >= 3 * (40 // BLOCK) * BLOCK
     assert chats["off"]["generated_tokens"] == chats["on_cached"]["generated_tokens"] == 3 * 2
     assert _idle_blocks(eng) == 0
+
+
+def test_the_cached_rows_stay_within_their_budget_and_a_hit_after_evictions_is_still_right():
+    """``prefix_cache_rows_mb`` bounds the attention and hidden rows cached blocks keep: prompts
+    whose rows pass it evict older prefixes (tail first), and what stays cached is reused exactly."""
+    from engine import Engine
+
+    with Engine(build_config(prefix_cache_rows_mb=1, max_batch=2)) as e:
+        budget = e.backend.cache_stats()["cached_rows_budget_bytes"]
+        assert budget == 2**20
+        systems = [SYSTEM + " " + SYSTEM.replace("tutor", role) for role in ("coach", "librarian", "pilot")]
+        for system in systems:
+            e.generate(messages=_chat("What is a magnet?", system), max_tokens=2, temperature=0.0)
+            stats = e.backend.cache_stats()
+            assert 0 < stats["cached_rows_bytes"] <= budget, stats
+        assert stats["evictions"] > 0, "three prompts' rows fit one MiB: make them longer"
+        hits = _hits(e)
+        on = e.generate(messages=_chat("Why is the sea salty?", systems[-1]), max_tokens=NEW_TOKENS, temperature=0.0)
+        assert _hits(e) > hits, "the newest prompt's head was not kept"
+        off = e.generate(messages=_chat("Why is the sea salty?", systems[-1]), max_tokens=NEW_TOKENS, temperature=0.0,
+                         prefix_cache=False)
+        _same_results(on, off)
+        assert e.backend.cache_stats()["cached_rows_bytes"] <= budget

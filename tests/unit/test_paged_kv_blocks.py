@@ -1,7 +1,8 @@
 """The paged KV cache's bookkeeping without a model: block tables grow by blocks and shrink on a
 position move, reservations bound admission, shared blocks are copied before a write, cached
-blocks nobody holds are evicted least recently used first, and a prefix is reused only when its
-blocks hold the internals the new request's plan asks for."""
+blocks nobody holds are evicted least recently used first (when the pool needs their blocks, or
+their captured rows pass the rows budget), and a prefix is reused only when its blocks hold the
+internals the new request's plan asks for."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ D, HEADS = 3, 2
 LAYER = 1
 
 
-def _blocks(max_blocks: int = 9, blocks: int = 3) -> KVBlocks:
+def _blocks(max_blocks: int = 9, blocks: int = 3, rows_budget: int | None = None) -> KVBlocks:
     cache = PagedKVCache(num_layers=2, kv_heads=1, head_dim=2, block_size=BS, blocks=blocks, max_blocks=max_blocks,
                          dtype=torch.float32, device=torch.device("cpu"))
-    return KVBlocks(cache)
+    return KVBlocks(cache, rows_budget=rows_budget)
 
 
 def _plan(attention: bool = True) -> CapturePlan:
@@ -124,6 +125,59 @@ def test_a_cached_block_nobody_holds_is_evicted_least_recently_released_first():
     assert kv.lookup("e", [20, 21, 22, 23, 0], _plan()) is not None
 
 
+FIRST_BLOCK_ROWS = (BS * D + HEADS * BS * BS) * 4  # float32 hidden (BS, D) + attention (HEADS, BS, BS)
+
+
+def test_past_the_rows_budget_the_least_recently_released_cached_block_is_evicted():
+    kv = _blocks(rows_budget=FIRST_BLOCK_ROWS)  # room for one first block's rows; blocks are plentiful
+    for rid, first in (("a", 10), ("b", 20)):
+        _caching(kv, rid)
+        _feed(kv, rid, 0, [first + i for i in range(BS + 1)])
+        kv.remove(rid)
+    stats = kv.as_dict()
+    assert stats["cached_rows_bytes"] == FIRST_BLOCK_ROWS == stats["cached_rows_budget_bytes"]
+    assert stats["blocks_cached"] == 1 and kv.allocator.evictions == 1
+    kv.add("c")
+    assert kv.lookup("c", [10, 11, 12, 13, 0], _plan()) is None  # a's went
+    kv.add("d")
+    assert kv.lookup("d", [20, 21, 22, 23, 0], _plan()) is not None
+    kv.remove("c")
+    kv.remove("d")
+    assert kv.allocator.held == 0 and kv.allocator.free == kv.allocator.num_blocks - 1  # the evicted block is free
+
+
+def test_while_every_cached_block_is_held_a_new_one_waits_for_room():
+    kv = _blocks(rows_budget=FIRST_BLOCK_ROWS)
+    _caching(kv, "a")
+    _feed(kv, "a", 0, [10 + i for i in range(BS + 1)])
+    _caching(kv, "b")
+    _feed(kv, "b", 0, [20 + i for i in range(BS + 1)])  # a still holds the only cached block
+    assert kv.as_dict()["blocks_cached"] == 1 and kv.index.rows_bytes == FIRST_BLOCK_ROWS
+    kv.add("probe")
+    assert kv.lookup("probe", [20, 21, 22, 23, 0], _plan()) is None
+    kv.remove("probe")
+    kv.remove("a")
+    _feed(kv, "b", BS + 1, [25])  # b's next forward offers its block again: a's makes room
+    kv.add("probe")
+    assert kv.lookup("probe", [20, 21, 22, 23, 0], _plan()) is not None
+    assert kv.index.rows_bytes == FIRST_BLOCK_ROWS and kv.allocator.evictions == 1
+
+
+def test_the_kept_rows_are_counted_as_blocks_come_and_go_and_a_prefix_loses_its_tail_first():
+    kv = _blocks(max_blocks=5, blocks=5)
+    _caching(kv, "a")
+    _feed(kv, "a", 0, list(range(2 * BS + 1)))  # two full blocks: ends 4 and 8
+    second = (BS * D + HEADS * BS * 2 * BS) * 4
+    assert kv.index.rows_bytes == FIRST_BLOCK_ROWS + second
+    kv.remove("a")
+    kv.add("b")
+    kv.prepare("b", 0, 3 * BS)  # 3 of 4 blocks: one cached block goes, the prefix's tail
+    assert kv.index.rows_bytes == FIRST_BLOCK_ROWS and kv.allocator.evictions == 1
+    kv.add("c")
+    hit = kv.lookup("c", list(range(2 * BS + 1)), _plan())
+    assert hit is not None and hit[0] == BS  # the head still serves its prefix
+
+
 def test_a_hit_gives_the_captured_rows_and_ends_where_they_do_not_cover_the_plan():
     kv = _blocks()
     _caching(kv, "a")
@@ -173,10 +227,12 @@ def test_the_view_writes_each_token_into_its_block_and_gathers_each_row_in_posit
     assert kv.cache.keys[0][blocks_a[1], 1, 0, 0].item() == 5  # position 5: block 1, offset 1
 
 
-@pytest.mark.parametrize("bad", [0, 2048, True])
-def test_a_bad_block_size_is_a_config_error_naming_the_key(bad):
+@pytest.mark.parametrize("key,bad", [("kv_block_size", 0), ("kv_block_size", 2048), ("kv_block_size", True),
+                                     ("prefix_cache_rows_mb", -1), ("prefix_cache_rows_mb", 1.5),
+                                     ("prefix_cache_rows_mb", True)])
+def test_a_bad_paging_value_is_a_config_error_naming_the_key(key, bad):
     from engine.config import BackendConfig
     from engine.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="kv_block_size"):
-        BackendConfig(kv_block_size=bad)
+    with pytest.raises(ConfigError, match=key):
+        BackendConfig(**{key: bad})
