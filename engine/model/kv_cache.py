@@ -123,7 +123,9 @@ class BatchCacheView:
         return view, torch.tensor(positions, dtype=torch.long, device=device).view(len(tables), q)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cache_kwargs: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # transformers < 5.24 passes ``cache_kwargs`` positionally, 5.24+ the layer's kwargs as
+        # ``kwargs=``; neither carries anything a paged view needs.
         b, kv, q, hd = key_states.shape
         length = self.read_index.shape[1]
         out = []
