@@ -52,7 +52,8 @@ def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str]
         ray_cfg = dataclasses.replace(
             cfg, activations=dataclasses.replace(cfg.activations, db_path=f"{tmp}/ray.duckdb"),
             ray=dataclasses.replace(cfg.ray, namespace=f"raylens-bench-{uuid.uuid4().hex[:6]}", sae_workers=2))
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace=ray_cfg.ray.namespace)
+        ray.init(address="local", num_cpus=8,  # its own instance, never a running cluster
+                 include_dashboard=False, log_to_driver=False, namespace=ray_cfg.ray.namespace)
         try:
             topo = build_topology(ray_cfg)
             run(ray_cfg, [PromptLine(0, GenerationRequest(prompt=RAY_PROMPTS[0], max_tokens=4, request_id="warm"))],

@@ -29,7 +29,8 @@ def ray_head():
 
     from tests.e2e.conftest import Head
 
-    ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    # address="local": always a new instance, never one a `ray start` elsewhere on the machine left running
+    ray.init(address="local", num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         gcs = ray.get_runtime_context().gcs_address
         assert gcs.startswith("127.0.0.1:"), f"Ray must stay on loopback in tests, but its GCS is at {gcs}"
