@@ -13,7 +13,8 @@ Three kinds of text, each held out separately so the report can say how the SAE 
 ``prose``   fiction (Jane Austen's six novels; literature, humour and wisdom fortunes), encyclopaedic
             entries (FOLDOC, the Jargon File, The Devil's Dictionary, WordNet glosses), news-like
             clippings (fortune's ``news`` file) and instructions (Debian Reference, The Debian
-            Administrator's Handbook).
+            Administrator's Handbook); the ``broad-manuals`` corpus adds GNU manuals (coreutils,
+            Bash, find, sed, diff, Wget, grep: the Texinfo manuals as installed for ``info``).
 ``chat``    conversations in the model's own chat template — system prompt (default or custom),
             user turns (questions, requests, quotes) and assistant turns — whose answers are
             passages from the prose and code pools (disjoint from the passages used as plain text).
@@ -29,20 +30,24 @@ Everything is seeded: chunk order, source interleaving, question choice, convers
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from random import Random
 from typing import Any, Callable, Iterator
 
-from .corpus_readers import (_FORTUNE_FILES, _read_austen, _read_dictd, _read_fortunes, _read_html, _read_jargon,
-                             _read_man, _read_pydoc_topics, _read_python_code, _read_python_docs, _read_wordnet)
+from .corpus_readers import (_FORTUNE_FILES, _read_austen, _read_dictd, _read_fortunes, _read_html, _read_info,
+                             _read_jargon, _read_man, _read_pydoc_topics, _read_python_code, _read_python_docs,
+                             _read_wordnet)
+from engine.errors import ConfigError
+
 from .debian_packages import CorpusSourceError, fetch_package
 
-__all__ = ["Source", "SOURCES", "KIND_SHARES", "CorpusBuild", "build_corpus", "DEFAULT_CACHE"]
+__all__ = ["Source", "SOURCES", "MANUAL_SOURCES", "KIND_SHARES", "CORPORA", "Corpus", "CorpusBuild", "build_corpus",
+           "DEFAULT_CACHE"]
 
 DEFAULT_CACHE = Path(__file__).resolve().parents[2] / "artifacts" / "sae-corpus"
 KINDS = ("prose", "chat", "code")
-#: Share of the collected tokens per kind of text.
+#: Share of the collected tokens per kind of text (the broad corpus).
 KIND_SHARES = {"prose": 0.45, "chat": 0.35, "code": 0.20}
 
 
@@ -85,10 +90,53 @@ SOURCES: tuple[Source, ...] = (
            "(per page)", 0.20, _read_man),
 )
 
+#: GNU manuals (Texinfo, as installed for `info`): plain technical English about the tools users ask
+#: about. Not in the committed SAE's corpus; ``broad-manuals`` adds them to its prose.
+MANUAL_SOURCES: tuple[Source, ...] = (
+    Source("coreutils-manual", "prose", "manuals", "coreutils", "GFDL-1.3+ (the manual; FSF)", 0.06,
+           _read_info("coreutils")),
+    Source("bash-manual", "prose", "manuals", "bash-doc", "GFDL-1.3+ (the manual; FSF)", 0.05, _read_info("bash")),
+    Source("find-manual", "prose", "manuals", "findutils", "GFDL-1.3+ (the manual; FSF)", 0.03, _read_info("find")),
+    Source("sed-manual", "prose", "manuals", "sed", "GFDL-1.3+ (the manual; FSF)", 0.02, _read_info("sed")),
+    Source("diffutils-manual", "prose", "manuals", "diffutils", "GFDL-1.3+ (the manual; FSF)", 0.02,
+           _read_info("diffutils")),
+    Source("wget-manual", "prose", "manuals", "wget", "GFDL-1.3+ (the manual; FSF)", 0.02, _read_info("wget")),
+    Source("grep-manual", "prose", "manuals", "grep", "GFDL-1.3+ (the manual; FSF)", 0.01, _read_info("grep")),
+)
+
+#: ``broad-manuals``: the broad corpus with the GNU manuals in its prose (the candidate for an SAE
+#: that explains technical English better). Prose weights make room for the manuals (a fifth of
+#: the prose); kinds 50/32/18.
+_MANUALS_PROSE_WEIGHTS = {"austen": 0.19, "fortunes": 0.05, "fortunes-min": 0.03, "foldoc": 0.10, "jargon": 0.07,
+                          "devils-dictionary": 0.04, "wordnet": 0.05, "fortunes-news": 0.03, "debian-reference": 0.10,
+                          "debian-handbook": 0.13}
+_MANUALS_CORPUS_SOURCES = (tuple(replace(s, weight=_MANUALS_PROSE_WEIGHTS[s.name]) for s in SOURCES if s.kind == "prose")
+                           + MANUAL_SOURCES + tuple(s for s in SOURCES if s.kind != "prose"))
+
+
 #: A tiny corpus that needs no package (CPython's own ``pydoc_data``): for smoke tests.
 CPYTHON_SOURCES: tuple[Source, ...] = (
     Source("pydoc-topics", "code", "documentation", "", "PSF-2.0", 1.0, _read_pydoc_topics),
 )
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A named mix: its sources (in the order the seeded interleaving draws them), the share of
+    each kind of text, and whether chat turns are built from its passages."""
+
+    sources: tuple[Source, ...]
+    shares: dict[str, float]
+    chat: bool = True
+
+
+#: ``raylens train-sae --corpus NAME``. ``broad`` is the committed SAE's corpus: changing its
+#: sources, weights or order changes the text it rebuilds.
+CORPORA: dict[str, Corpus] = {
+    "broad": Corpus(SOURCES, KIND_SHARES),
+    "broad-manuals": Corpus(_MANUALS_CORPUS_SOURCES, {"prose": 0.50, "chat": 0.32, "code": 0.18}),
+    "cpython": Corpus(CPYTHON_SOURCES, {"code": 1.0}, chat=False),
+}
 
 
 # ------------------------------------------------------------------------------------- chat
@@ -103,6 +151,8 @@ _QUESTIONS = {
                       "What does {topic} mean?", "Tell me about {topic}.", "I keep hearing about {topic}. What is it?"),
     "news-like": ("What's in the news today?", "Tell me an odd news story.", "Any interesting stories lately?",
                   "Summarise a news item for me."),
+    "manuals": ("How do I use {topic}?", "What does the manual say about {topic}?", "Explain {topic} to me.",
+                "Which option should I use for this?", "How does this command behave?"),
     "instructions": ("How do I do this on Debian?", "Can you walk me through it step by step?",
                      "How does this work on a Linux system?", "What should I know before I set this up?",
                      "Explain how to configure this.", "I'm new to Linux. Where do I start?"),
@@ -147,13 +197,14 @@ class CorpusBuild:
     source_tokens: dict[str, dict[str, int]]  # source -> kind -> tokens
     versions: dict[str, str]  # package -> Debian version
     sources: tuple[Source, ...]
+    shares: dict[str, float]  # kind -> share asked for
 
     def manifest(self) -> dict[str, Any]:
         """The corpus mix and each source's licence, for the training report."""
         kind_tokens = {k: sum(1 for kind in self.kinds if kind == k) for k in KINDS}
         seq_len = len(self.sequences[0]) if self.sequences else 0
         return {
-            "kinds": {k: {"sequences": n, "tokens": n * seq_len, "share": round(KIND_SHARES.get(k, 0.0), 3)}
+            "kinds": {k: {"sequences": n, "tokens": n * seq_len, "share": round(self.shares.get(k, 0.0), 3)}
                       for k, n in kind_tokens.items() if n},
             "sources": [
                 {"name": s.name, "genre": s.genre, "package": s.package or "(ships with CPython)",
@@ -185,17 +236,22 @@ def _load(sources: tuple[Source, ...], cache: Path) -> tuple[dict[str, list[str]
 
 def build_corpus(tokenizer: Any, n_sequences: int, seq_len: int, *, seed: int = 0, corpus: str = "broad",
                  cache: Path = DEFAULT_CACHE) -> CorpusBuild:
-    """``n_sequences`` token sequences of ``seq_len``, split over the kinds by :data:`KIND_SHARES`.
+    """``n_sequences`` token sequences of ``seq_len`` from the corpus named ``corpus`` (:data:`CORPORA`),
+    split over the kinds by its shares.
 
     Deterministic for a seed and the same package versions: every source's passages are shuffled
     with the seed, each source's passages are split between plain text and chat answers, and
     sources are interleaved by weight until each kind has its share of sequences.
     """
-    sources = SOURCES if corpus == "broad" else CPYTHON_SOURCES
+    if corpus not in CORPORA:
+        raise ConfigError(f"unknown corpus {corpus!r}; choose one of {', '.join(CORPORA)}", parameter="corpus",
+                          value=corpus)
+    mix = CORPORA[corpus]
+    sources = mix.sources
     texts, versions = _load(sources, cache)
     rng = Random(seed)
-    kinds_present = sorted({s.kind for s in sources} | ({"chat"} if corpus == "broad" else set()), key=KINDS.index)
-    shares = {k: KIND_SHARES[k] for k in kinds_present}
+    kinds_present = sorted({s.kind for s in sources} | ({"chat"} if mix.chat else set()), key=KINDS.index)
+    shares = {k: mix.shares[k] for k in kinds_present}
     total = sum(shares.values())
     quota = {k: int(n_sequences * shares[k] / total) for k in kinds_present}
     quota[kinds_present[0]] += n_sequences - sum(quota.values())
@@ -276,4 +332,5 @@ def build_corpus(tokenizer: Any, n_sequences: int, seq_len: int, *, seed: int = 
         fill("chat", conversations())
     order = {k: i for i, k in enumerate(KINDS)}
     ranked = sorted(range(len(sequences)), key=lambda i: order[kinds[i]])  # stable: kind order
-    return CorpusBuild([sequences[i] for i in ranked], [kinds[i] for i in ranked], source_tokens, versions, sources)
+    return CorpusBuild([sequences[i] for i in ranked], [kinds[i] for i in ranked], source_tokens, versions, sources,
+                       mix.shares)

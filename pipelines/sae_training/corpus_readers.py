@@ -1,8 +1,8 @@
 """Each corpus source's files as text passages of about ``_CHUNK_CHARS`` characters.
 
 One reader per file format the sources ship: R lazy-load data (Jane Austen's novels), fortune
-files, dictd databases, the Jargon File, WordNet glosses, HTML manuals, reStructuredText, Python
-source and roff man pages. A reader takes the unpacked package's root and returns its passages;
+files, dictd databases, the Jargon File, WordNet glosses, HTML manuals, GNU Info manuals,
+reStructuredText, Python source and roff man pages. A reader takes the unpacked package's root and returns its passages;
 prose is cut at paragraph boundaries, code at blank lines with its indentation kept.
 """
 
@@ -241,6 +241,45 @@ def _read_html(directory: str, pattern: str) -> Callable[[Path], list[str]]:
     def read(root: Path) -> list[str]:
         files = sorted(_need(root, directory).glob(pattern))
         chunks = [c for f in files for c in _paragraph_chunks(_html_text(f))]
+        return [c for c in chunks if len(c) > 200]
+    return read
+
+
+#: Info nodes that are not the manual's own prose: the title page (copyright), the licence
+#: appendix and the indexes.
+_INFO_SKIP_NODES = ("Top", "GNU Free Documentation License", "Copying This Manual", "Copying", "Index")
+
+
+def _info_prose(node: str) -> str:
+    """One Info node as text: its ``File: ..., Node: ...`` line, heading underlines and menus dropped."""
+    lines = node.splitlines()[1:]  # the node's header line
+    kept, in_menu = [], False
+    for line in lines:
+        if line.startswith("* Menu:"):
+            in_menu = True
+        elif in_menu and line.strip() and not line.startswith(("* ", " ")):
+            in_menu = False
+        if not in_menu and not (line.strip() and set(line.strip()) <= set("*=-.")):
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _read_info(*names: str) -> Callable[[Path], list[str]]:
+    """GNU Texinfo manuals as installed (``usr/share/info/<name>.info[-N].gz``), node by node."""
+    def read(root: Path) -> list[str]:
+        chunks = []
+        for name in names:
+            files = sorted(_need(root, "usr/share/info").glob(f"{name}.info*.gz"))
+            if not files:
+                raise CorpusSourceError(f"{root.name} has no Info manual {name!r}: the package layout changed",
+                                        parameter="package", value=root.name)
+            for path in files:
+                for node in gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace").split("\x1f")[1:]:
+                    header = node.lstrip("\n").split("\n", 1)[0]
+                    title = header.partition("Node: ")[2].split(",")[0].strip()
+                    if not header.startswith("File:") or title.endswith(_INFO_SKIP_NODES):
+                        continue  # tag tables, indirect tables, the licence and the indexes
+                    chunks.extend(_paragraph_chunks(_info_prose(node.lstrip("\n"))))
         return [c for c in chunks if len(c) > 200]
     return read
 

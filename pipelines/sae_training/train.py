@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipelines.sae_training.corpus import DEFAULT_CACHE
+from pipelines.sae_training.corpus import CORPORA, DEFAULT_CACHE
 
 __all__ = ["TrainConfig", "collect_activations", "train", "evaluate", "sae_lens_evals", "main"]
 
@@ -212,7 +212,8 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     p.add_argument("--holdout", type=float, default=defaults.holdout, help="held-out share of every kind of text")
     p.add_argument("--aux-coefficient", type=float, default=defaults.aux_coefficient)
     p.add_argument("--sink-ratio", type=float, default=defaults.sink_ratio)
-    p.add_argument("--corpus", choices=["broad", "cpython"], default=defaults.corpus)
+    p.add_argument("--corpus", choices=list(CORPORA), default=defaults.corpus,
+                   help="broad: the committed SAE's corpus; broad-manuals: with GNU manuals in its prose")
     p.add_argument("--corpus-cache", type=Path, default=DEFAULT_CACHE,
                    help="where the corpus packages are downloaded and unpacked (git-ignored)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -77,6 +77,19 @@ def test_the_report_lists_every_corpus_source_with_its_package_and_licence(repor
     assert any(s["package"] == "python3.11-doc" for s in sources)  # the Python docs stay one part
 
 
+def test_the_default_corpus_is_the_one_the_committed_sae_was_trained_on(report):
+    from pipelines.sae_training import corpus
+    from pipelines.sae_training.train import TrainConfig
+
+    trained = report["config"]["corpus"]
+    assert trained == TrainConfig().corpus, "the training defaults must rebuild the committed SAE's corpus"
+    mix = corpus.CORPORA[trained]
+    assert [(s.name, s.package, s.licence) for s in mix.sources] == \
+        [(s["name"], s["package"], s["licence"]) for s in report["corpus"]["sources"]]
+    assert {k: round(v, 3) for k, v in mix.shares.items()} == \
+        {k: figures["share"] for k, figures in report["corpus"]["kinds"].items()}
+
+
 def test_the_weights_on_disk_are_the_ones_the_report_describes(report):
     weights = DIRECTORY / report["weights"]["file"]
     assert weights.stat().st_size == report["weights"]["size_bytes"]

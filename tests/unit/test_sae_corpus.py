@@ -32,6 +32,36 @@ def test_man_pages_become_plain_text():
     assert "pipe - overview of pipes" in text and "pipe(2)," in text and "read end" in text and "• done" in text
 
 
+def _info_file(nodes: list[tuple[str, str]]) -> bytes:
+    import gzip
+
+    body = "This is tool.info, produced by makeinfo.\n\n"
+    for name, text in nodes:
+        body += f"\x1f\nFile: tool.info,  Node: {name},  Up: Top\n\n{text}\n"
+    return gzip.compress((body + "\x1f\nTag Table:\nNode: Top\x7f100\n\x1f\nEnd Tag Table\n").encode())
+
+
+def test_info_manuals_become_prose_without_menus_headings_licence_or_index(tmp_path):
+    info = tmp_path / "usr/share/info"
+    info.mkdir(parents=True)
+    usage = ("1 Using the tool\n****************\n\nThe tool reads every file named on its command line and "
+             "writes\nwhat it found to standard output, one line per match, in the order the\nfiles were given. "
+             "When no file is named it reads standard input instead, so it\ncan sit in a pipeline.\n\n"
+             "* Menu:\n\n* Options::     What the options do.\n* Exit status::  What it returns.\n")
+    (info / "tool.info.gz").write_bytes(_info_file([
+        ("Top", "tool\n****\n\nThis manual is for the tool. Copyright (C) the authors. " + "x" * 200),
+        ("Usage", usage),
+        ("GNU Free Documentation License", "Version 1.3, 3 November 2008. " + "licence text " * 40),
+        ("Index", "* options:    Usage.   (line 6) " * 20),
+    ]))
+    chunks = corpus_readers._read_info("tool")(tmp_path)
+    assert chunks == ["1 Using the tool\n\nThe tool reads every file named on its command line and writes what it "
+                      "found to standard output, one line per match, in the order the files were given. When no file "
+                      "is named it reads standard input instead, so it can sit in a pipeline."]
+    with pytest.raises(CorpusSourceError, match="no Info manual 'other'"):
+        corpus_readers._read_info("other")(tmp_path)
+
+
 def _xdr_strings(values: list[str]) -> bytes:
     body = struct.pack(">i", 16) + struct.pack(">i", len(values))
     for value in values:
@@ -57,7 +87,28 @@ def test_every_kind_keeps_its_last_sequences_for_the_held_out_set():
     assert held[68:70] == [True] * 2 and sum(held) == 8
 
 
-def test_every_source_names_a_package_and_a_licence():
-    assert len({s.name for s in corpus.SOURCES}) == len(corpus.SOURCES)
-    for source in corpus.SOURCES:
+@pytest.mark.parametrize("name", ["broad", "broad-manuals"])
+def test_every_source_names_a_package_and_a_licence(name):
+    sources = corpus.CORPORA[name].sources
+    assert len({s.name for s in sources}) == len(sources)
+    for source in sources:
         assert source.package and source.licence and source.weight > 0 and source.kind in ("prose", "code")
+    assert sum(corpus.CORPORA[name].shares.values()) == pytest.approx(1.0)
+
+
+def test_broad_manuals_is_the_broad_corpus_with_the_gnu_manuals_in_its_prose():
+    broad, manuals = corpus.CORPORA["broad"], corpus.CORPORA["broad-manuals"]
+    by_name = {s.name: s for s in manuals.sources}
+    assert [s.name for s in manuals.sources] == ([s.name for s in broad.sources if s.kind == "prose"]
+                                                 + [s.name for s in corpus.MANUAL_SOURCES]
+                                                 + [s.name for s in broad.sources if s.kind == "code"])
+    assert all(by_name[s.name].weight == s.weight for s in broad.sources if s.kind == "code")
+    prose = [s for s in manuals.sources if s.kind == "prose"]
+    assert sum(s.weight for s in corpus.MANUAL_SOURCES) / sum(s.weight for s in prose) == pytest.approx(0.2, abs=0.01)
+
+
+def test_an_unknown_corpus_name_is_a_config_error_naming_the_choices():
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="broad-manuals"):
+        corpus.build_corpus(None, 1, 16, corpus="manuals")
