@@ -38,7 +38,8 @@ import torch
 
 from engine.model.backend import top_logprobs
 from engine.model.capture import CAPTURE_KWARG, AttentionCapture, hidden_states_index
-from engine.model.kv_cache import SCRATCH_BLOCK, BatchCacheView, PagedKVCache, read_slots, write_slots
+from engine.model.kv_cache import (SCRATCH_BLOCK, BatchCacheView, PagedKVCache, cache_argument, read_slots,
+                                   write_slots)
 
 __all__ = ["GraphKey", "StaticDecode", "batch_bucket", "length_bucket"]
 
@@ -121,8 +122,8 @@ class StaticDecode:
         if self.attention is not None:
             self.attention.patterns = {}
             kwargs[CAPTURE_KWARG] = self.attention
-        out = self.model(input_ids=self.ids, position_ids=self.positions, attention_mask=mask,
-                         past_key_values=view, use_cache=True, logits_to_keep=1, **kwargs)
+        out = self.model(input_ids=self.ids, position_ids=self.positions, attention_mask=mask, use_cache=True,
+                         logits_to_keep=1, **cache_argument(self.model, view), **kwargs)
         logits = out.logits[:, -1].float()  # (B, V)
         hidden = {layer: out.hidden_states[hidden_states_index(layer)][:, -1] for layer in self.key.hidden_layers}
         patterns = dict(self.attention.patterns) if self.attention is not None else {}  # (B, h, 1, L)

@@ -37,7 +37,7 @@ from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
 from engine.model.hook_names import resid_post
 from engine.model.kv_blocks import KVBlocks
-from engine.model.kv_cache import BatchCacheView, PagedKVCache
+from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
 from engine.model.taps import taps_of
 
@@ -259,8 +259,8 @@ class HuggingFaceBackend:
         if capture is not None:
             kwargs[CAPTURE_KWARG] = capture
         with torch.inference_mode(), self._steering(rows):
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=view,
-                             use_cache=True, logits_to_keep=1, **kwargs)
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                             logits_to_keep=1, **cache_argument(self.model, view), **kwargs)
         logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
         values, indices = top_logprobs(logits)
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}

@@ -22,12 +22,14 @@ static cache for CUDA graphs is allocated whole, up front.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["PagedKVCache", "BatchCacheView", "SCRATCH_BLOCK", "read_slots", "write_slots"]
+__all__ = ["PagedKVCache", "BatchCacheView", "SCRATCH_BLOCK", "read_slots", "write_slots", "cache_argument"]
 
 SCRATCH_BLOCK = 0
 
@@ -143,3 +145,16 @@ class BatchCacheView:
     @property
     def is_compileable(self) -> bool:
         return False
+
+
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` for ``model(...)``, under the name its forward takes the cache by:
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works but warns
+    on every call, and goes in 5.40); earlier releases know only ``past_key_values``."""
+    return {_cache_parameter(type(getattr(model, "_orig_mod", model))): cache}  # torch.compile wraps it
+
+
+@lru_cache(maxsize=None)
+def _cache_parameter(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

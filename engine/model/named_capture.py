@@ -22,6 +22,7 @@ import torch
 
 from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
 from engine.model.hook_names import expand_hook_names, parse_hook_name
+from engine.model.kv_cache import cache_argument
 from engine.model.taps import Recording, Taps, taps_of
 
 __all__ = ["Recording", "capture", "check_input_ids", "write_capture", "manifest_entry", "load_capture",
@@ -63,7 +64,7 @@ def capture(model: Any, input_ids: Sequence[int], names: Sequence[str], *, out: 
     tensor_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
     cache = DynamicCache(config=taps.model.config)
     with taps.record(wanted) as rec, torch.inference_mode():
-        taps.base(input_ids=tensor_ids, past_key_values=cache, use_cache=True)
+        taps.base(input_ids=tensor_ids, use_cache=True, **cache_argument(taps.base, cache))
     captured = {str(name): tensor[0] for name, tensor in rec.tensors(cache).items()}
     if out is not None:
         write_capture(out, captured, input_ids=ids, model_id=model_id)

@@ -32,6 +32,7 @@ def run_internals_bench(engine: Any, *, texts: int = 32, repeats: int = 3,
     import torch
     from transformers import DynamicCache
 
+    from engine.model.kv_cache import cache_argument
     from engine.model.named_capture import capture
 
     model = engine.backend.reference_model
@@ -54,8 +55,8 @@ def run_internals_bench(engine: Any, *, texts: int = 32, repeats: int = 3,
     with tempfile.TemporaryDirectory() as tmp:
         def plain() -> None:
             with torch.inference_mode():
-                model.base_model(input_ids=torch.tensor([ids], device=device),
-                                 past_key_values=DynamicCache(config=model.config), use_cache=True)
+                model.base_model(input_ids=torch.tensor([ids], device=device), use_cache=True,
+                                 **cache_argument(model.base_model, DynamicCache(config=model.config)))
 
         paths: dict[str, Callable[[], Any]] = {
             "plain forward": plain,

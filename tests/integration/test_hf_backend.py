@@ -37,6 +37,19 @@ def eager_model(engine):
     return model.eval()
 
 
+def test_the_step_loop_hands_transformers_its_cache_without_deprecation_warnings(engine):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``; the old name warns on every
+    forward. The engine passes the cache under the name the model's forward takes."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = engine.generate(PROMPT, max_tokens=3, temperature=0.0)
+    assert result.finish_reason in ("stop", "length")
+    deprecations = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not deprecations, deprecations
+
+
 def test_model_loads_on_the_auto_detected_device(engine):
     assert engine.backend.info.device == str(resolve_device("auto")) == "cpu"  # no GPU on CI machines
     assert engine.backend.attention_implementation == "raylens_sdpa"

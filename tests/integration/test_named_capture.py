@@ -177,9 +177,11 @@ def test_capture_block_matches_its_computation_by_hand(full, model, layer):
 def test_capture_never_changes_logits(model, ids):
     from transformers import DynamicCache
 
+    from engine.model.kv_cache import cache_argument
+
     before = _hf(model, ids).logits
     with taps_of(model).record(expand_hook_names(["*"], model.config.num_hidden_layers)) as rec:
-        during = _hf(model, ids, past_key_values=DynamicCache(config=model.config), use_cache=True).logits
+        during = _hf(model, ids, use_cache=True, **cache_argument(model, DynamicCache(config=model.config))).logits
     after = _hf(model, ids).logits
     assert rec.raw, "positive control: the hooks recorded the forward"
     assert torch.equal(before, during), f"capture changed the logits by up to {_worst(before, during):.3g}"

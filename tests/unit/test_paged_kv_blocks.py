@@ -236,3 +236,29 @@ def test_a_bad_paging_value_is_a_config_error_naming_the_key(key, bad):
 
     with pytest.raises(ConfigError, match=key):
         BackendConfig(**{key: bad})
+
+
+def test_the_cache_goes_under_the_name_the_models_forward_takes():
+    from engine.model.kv_cache import cache_argument
+
+    class Renamed(torch.nn.Module):  # transformers 5.24+
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return cache
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return past_key_values
+
+    class Compiled(torch.nn.Module):  # torch.compile's wrapper keeps the model as _orig_mod
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+        def forward(self, *args, **kwargs):
+            return self._orig_mod(*args, **kwargs)
+
+    marker = object()
+    assert cache_argument(Renamed(), marker) == {"cache": marker}
+    assert cache_argument(Older(), marker) == {"past_key_values": marker}
+    assert cache_argument(Compiled(Renamed()), marker) == {"cache": marker}
+    assert Compiled(Older())(**cache_argument(Compiled(Older()), marker)) is marker

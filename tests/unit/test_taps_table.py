@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.model.hook_names import expand_hook_names
+from engine.model.kv_cache import cache_argument
 from engine.model.taps import taps_of
 
 
@@ -48,7 +49,7 @@ def test_recording_every_name_gives_each_its_documented_shape(tiny):
                 "(T, m)": (T, m), "(T, 1)": (T, 1)}
     cache = DynamicCache(config=tiny.config)
     with taps.record(names) as rec, torch.inference_mode():
-        taps.base(input_ids=torch.arange(T)[None], past_key_values=cache, use_cache=True)
+        taps.base(input_ids=torch.arange(T)[None], use_cache=True, **cache_argument(taps.base, cache))
     tensors = rec.tensors(cache)
     assert list(tensors) == names
     for name, tensor in tensors.items():
