@@ -7,7 +7,8 @@ Corpus (``--corpus broad``, the default): :mod:`pipelines.sae_training.corpus` â
 chat template, and code/documentation (the Python docs, the standard library, man pages), all from
 Debian packages fetched by name into ``artifacts/sae-corpus`` (git-ignored). Users prompt the
 embedded model with ordinary chat; an SAE fitted to one technical corpus reconstructs that poorly.
-``--corpus cpython`` uses only text that ships with CPython itself (the Language Reference topics
+``--corpus broad-manuals`` adds the GNU manuals of common tools to the prose (the candidate for the
+next SAE: more technical English). ``--corpus cpython`` uses only text that ships with CPython itself (the Language Reference topics
 in ``pydoc_data``; PSF) â€” tiny, for smoke tests.
 
 Collection runs only layers ``0..layer`` of the model (:func:`engine.model.capture.residual_stream`),
