@@ -306,16 +306,18 @@ def _add_store(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_sae(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train-sae", help="train an SAE for the embedded model (see pipelines/sae_training/train.py)",
-                       add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    from pipelines.sae_training.train import arguments
+
+    p = sub.add_parser("train-sae", parents=[arguments()], help="train an SAE for the embedded model",
+                       description="Train a TopK SAE on the embedded model's residual stream with sae-lens "
+                                   "(pipelines/sae_training/train.py says how).")
     p.set_defaults(func=_cmd_train_sae)
 
 
 def _cmd_train_sae(args: argparse.Namespace) -> int:
-    from pipelines.sae_training.train import main
+    from pipelines.sae_training.train import config_from, run
 
-    return main(args.rest)
+    return run(config_from(args), args)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -39,7 +39,8 @@ from typing import Any, Iterator
 
 from pipelines.sae_training.corpus import CORPORA, DEFAULT_CACHE
 
-__all__ = ["TrainConfig", "collect_activations", "train", "evaluate", "sae_lens_evals", "main"]
+__all__ = ["TrainConfig", "arguments", "config_from", "collect_activations", "train", "evaluate", "sae_lens_evals",
+           "run", "main"]
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "engine" / "assets" / "saes" / "smollm2-135m-instruct-l16"
 
@@ -203,9 +204,11 @@ def feature_examples(sae: Any, acts: Any, where: list[tuple[int, int]], sequence
 # ------------------------------------------------------------------------------------------ cli
 
 
-def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
+def arguments() -> argparse.ArgumentParser:
+    """The training options as a parent parser: ``python -m pipelines.sae_training.train`` and
+    ``raylens train-sae`` take the same ones."""
     defaults = TrainConfig()
-    p = argparse.ArgumentParser(prog="raylens train-sae", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(add_help=False)
     for name in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed", "train_batch", "dead_window",
                  "code_repeat", "eval_context_size", "eval_batch_prompts", "eval_batches"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
@@ -220,12 +223,20 @@ def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--activations-cache", type=Path, help="save/reuse collected activations (.pt)")
     p.add_argument("--config", help="raylens config naming the model (default configs/local.yaml)")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{k: getattr(args, k) for k in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed",
+                                                        "train_batch", "lr", "holdout", "corpus", "dead_window",
+                                                        "aux_coefficient", "sink_ratio", "code_repeat",
+                                                        "eval_context_size", "eval_batch_prompts", "eval_batches")})
+
+
+def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="raylens train-sae", description=__doc__.splitlines()[0], parents=[arguments()])
     args = p.parse_args(argv)
-    cfg = TrainConfig(**{k: getattr(args, k) for k in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed",
-                                                         "train_batch", "lr", "holdout", "corpus", "dead_window",
-                                                         "aux_coefficient", "sink_ratio", "code_repeat",
-                                                         "eval_context_size", "eval_batch_prompts", "eval_batches")})
-    return cfg, args
+    return config_from(args), args
 
 
 def _holdout(kinds: list[str], fraction: float) -> list[bool]:
@@ -247,6 +258,12 @@ def _sha256(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cfg, args = _parse(argv)
+    return run(cfg, args)
+
+
+def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    """Collect, train, save and report (``args``: the paths and config the options name)."""
     import torch
     from sae_lens import SAE
 
@@ -255,7 +272,6 @@ def main(argv: list[str] | None = None) -> int:
     from engine.services.sae_eval import SAEEvalSettings
     from pipelines.sae_training.corpus import build_corpus
 
-    cfg, args = _parse(argv)
     started = time.perf_counter()
     backend_cfg = load_config(args.config).backend
     model, tokenizer = load_model_and_tokenizer(backend_cfg.model_id, cache_dir=backend_cfg.model_cache_dir,

@@ -161,3 +161,18 @@ def test_a_select_that_writes_through_a_cte_is_rolled_back(store):
     deleted = store.read_sql("WITH d AS (DELETE FROM activations RETURNING *) SELECT count(*) FROM d")
     assert deleted == [(10,)]  # DuckDB did run the delete inside the statement …
     assert store.counts()["activations"] == 10  # … and it was rolled back
+
+
+def test_train_sae_takes_the_training_options_and_hands_them_on(monkeypatch, capsys):
+    """``raylens train-sae`` used to refuse every option (an argparse remainder after a subcommand
+    does not take leading options); it now parses the same options as the module does."""
+    from pipelines.sae_training import train
+
+    seen = {}
+    monkeypatch.setattr(train, "run", lambda cfg, args: seen.update(cfg=cfg, out=args.out) or 0)
+    assert main(["train-sae", "--corpus", "broad-manuals", "--width", "8192", "--out", "/tmp/sae-x"]) == 0
+    assert seen["cfg"] == train.config_from(train._parse(["--corpus", "broad-manuals", "--width", "8192"])[1])
+    assert seen["cfg"].corpus == "broad-manuals" and seen["cfg"].width == 8192 and str(seen["out"]) == "/tmp/sae-x"
+    with pytest.raises(SystemExit) as exited:
+        main(["train-sae", "--corpus", "nope"])
+    assert exited.value.code == 2 and "broad-manuals" in capsys.readouterr().err
