@@ -88,7 +88,7 @@ def write_slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) 
 
 @dataclass
 class BatchCacheView:
-    """What one batched forward hands transformers as ``past_key_values``.
+    """What one batched forward hands transformers as its KV cache (``cache_argument``).
 
     ``write_index (B*q,)``: the flat pool slot of every fed token (padding columns: the scratch
     block); ``read_index (B, kv_len)``: the slots of each row's positions ``0 … kv_len-1``.
