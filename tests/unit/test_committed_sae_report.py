@@ -1,4 +1,5 @@
-"""The committed SAE for the embedded model: its training report meets the goals and matches the weights.
+"""The committed SAE for the embedded model: its training report meets the goals and matches the weights
+and the README's tables.
 
 Reads only files in the repository (no model, no sae-lens): the held-out figures in
 ``training_report.json``, overall and per kind of text, meet the goals the SAE was trained for;
@@ -147,3 +148,30 @@ def test_sae_lens_ce_loss_score_sparsity_and_dead_goals_hold_outside_the_corpus(
 @pytest.mark.parametrize("kind", [pytest.param("raw", marks=RAW_TEXT_EV_NOT_MET), "chat"])
 def test_sae_lens_explained_variance_goal_outside_the_corpus(report, kind):
     assert report["sae_lens_heldout"]["by_text"][kind]["explained_variance"] >= EV_MIN
+
+
+# ------------------------------------------------------------------------ the README shows these figures
+
+
+def _readme_row(label: str) -> list[str]:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith(f"| {label} |")]
+    assert len(rows) == 1, f"the README should have one table row for {label!r}, found {len(rows)}"
+    return [cell.strip().strip("*").replace(",", "") for cell in rows[0].strip("|").split("|")][1:]
+
+
+@pytest.mark.parametrize("label, kind", [("prose", "prose"), ("chat", "chat"), ("code", "code"), ("**all**", None)])
+def test_the_readme_held_out_table_is_the_reports(report, label, kind):
+    figures = report["heldout"] if kind is None else report["heldout_by_kind"][kind]
+    tokens, ev, l0, dead = _readme_row(label)
+    assert int(tokens) == figures["heldout_tokens"]
+    assert ev == f"{figures['explained_variance']:.3f}" and l0 == f"{figures['l0']:.0f}"
+    assert dead == f"{100 * figures['dead_fraction']:.1f} %"
+
+
+@pytest.mark.parametrize("label, text", [("raw paragraphs", "raw"), ("chat-templated", "chat")])
+def test_the_readme_sae_lens_table_is_the_reports(report, label, text):
+    figures = report["sae_lens_heldout"]["by_text"][text]
+    ce, kl, ev, l0, dead = _readme_row(label)
+    assert [ce, kl, ev] == [f"{figures[k]:.3f}" for k in ("ce_loss_score", "kl_div_score", "explained_variance")]
+    assert l0 == f"{figures['l0']:.0f}" and dead == f"{100 * figures['dead_fraction']:.1f} %"
