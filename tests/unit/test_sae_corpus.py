@@ -112,3 +112,45 @@ def test_an_unknown_corpus_name_is_a_config_error_naming_the_choices():
 
     with pytest.raises(ConfigError, match="broad-manuals"):
         corpus.build_corpus(None, 1, 16, corpus="manuals")
+
+
+class _FakeApt:
+    """apt-get download / dpkg-deb for one package whose index offers ``candidate``."""
+
+    def __init__(self, debs, candidate):
+        self.debs, self.candidate, self.download_works, self.downloads = debs, candidate, True, 0
+
+    def run(self, argv, cwd=None, capture_output=True, text=True):
+        import subprocess
+
+        if argv[:2] == ["apt-get", "download"]:
+            self.downloads += 1
+            if self.download_works:
+                (self.debs / f"{argv[2]}_{self.candidate}_all.deb").write_text(self.candidate)
+            return subprocess.CompletedProcess(argv, 0 if self.download_works else 100, "", "offline")
+        if argv[:2] == ["dpkg-deb", "-f"]:
+            return subprocess.CompletedProcess(argv, 0, open(argv[2]).read() + "\n", "")
+        if argv[:2] == ["dpkg-deb", "-x"]:
+            (debian_packages.Path(argv[3]) / "text").write_text(open(argv[2]).read())
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        raise AssertionError(argv)
+
+
+@pytest.mark.parametrize("candidate, download_works, expected, downloads", [
+    ("1.0", True, "1.0", 0),    # the index offers the cached version: reused
+    (None, True, "1.0", 0),     # no index entry (offline, no apt-cache): reused
+    ("2.0", True, "2.0", 1),    # apt-get update brought 2.0: fetched and unpacked
+    ("2.0", False, "1.0", 1),   # ... but cannot be downloaded: the unpacked 1.0 stays in use
+])
+def test_a_cached_package_follows_the_version_apts_index_offers(tmp_path, monkeypatch, candidate, download_works,
+                                                                expected, downloads):
+    debs = tmp_path / "debs"
+    debs.mkdir()
+    fake = _FakeApt(debs, "1.0")
+    monkeypatch.setattr(debian_packages.shutil, "which", lambda tool: f"/usr/bin/{tool}")
+    monkeypatch.setattr(debian_packages.subprocess, "run", fake.run)
+    monkeypatch.setattr(debian_packages, "_candidate_version", lambda package: fake.candidate)
+    assert fetch_package("pkg", tmp_path) == (tmp_path / "pkgs" / "pkg", "1.0")  # first fetch
+    fake.candidate, fake.download_works, fake.downloads = candidate, download_works, 0
+    root, version = fetch_package("pkg", tmp_path)
+    assert version == expected and (root / "text").read_text() == expected and fake.downloads == downloads
