@@ -13,9 +13,10 @@ GFDL-1.3+), fetched by name like the corpus's packages:
 
 The figures (CE-loss score, KL score, explained variance, L0, dead and dense fractions) go into the
 SAE directory's ``training_report.json`` under ``sae_lens_heldout``, with the package, version and
-licence; the committed-report test asserts them. Dead and dense fractions here count features over
-these ~8k tokens only (a feature that fires once in 100k tokens looks dead here); the
-report's ``heldout.dead_fraction`` is the one over the whole held-out mix.
+licence; the committed-report test asserts them. A training run writes them itself; this command
+measures any SAE directory again. Dead and dense fractions here count features over these ~8k
+tokens only (a feature that fires once in 100k tokens looks dead here); the report's
+``heldout.dead_fraction`` is the one over the whole held-out mix.
 """
 
 from __future__ import annotations

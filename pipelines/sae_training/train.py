@@ -25,6 +25,9 @@ The report also carries sae-lens' own evaluation (``sae_lens.evals.run_evals``, 
 :mod:`engine.services.sae_eval`) of the saved SAE on each kind's held-out sequences: CE-loss and KL
 scores with the reconstruction spliced into the forward pass, explained variance, L0, and dead and
 dense fractions, the figures SAE users compare (``raylens sae-eval`` computes them for any texts).
+The same figures on text from outside the corpus (:mod:`pipelines.sae_training.heldout_evals`: the
+GNU Coding Standards as raw paragraphs, the GNU Maintainer Information as chat turns) go under
+``sae_lens_heldout``, so one run writes the whole report the committed-SAE test checks.
 """
 
 from __future__ import annotations
@@ -269,6 +272,7 @@ def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
     from engine.model.loading import load_model_and_tokenizer, resolve_model_path
     from engine.services.sae_eval import SAEEvalSettings
     from pipelines.sae_training.corpus import build_corpus
+    from pipelines.sae_training.heldout_evals import evaluate as outside_corpus_evals
 
     started = time.perf_counter()
     backend_cfg = load_config(args.config).backend
@@ -320,6 +324,7 @@ def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
                                     batches=cfg.eval_batches)
     evals = sae_lens_evals(saved, resolve_model_path(backend_cfg.model_id, backend_cfg.model_cache_dir), tokenizer,
                            held_sequences, eval_settings)
+    outside = outside_corpus_evals(args.out, args.corpus_cache, eval_settings, args.config)
     weights = args.out / "sae_weights.safetensors"
     summary = {
         "model": backend_cfg.model_id,
@@ -335,6 +340,7 @@ def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
         "heldout": asdict(report),
         "heldout_by_kind": by_kind,
         "sae_lens_evals": evals,
+        "sae_lens_heldout": outside,
         "weights": {"file": weights.name, "size_bytes": weights.stat().st_size, "sha256": _sha256(weights)},
         "size_bytes": sum(p.stat().st_size for p in args.out.iterdir()
                           if p.is_file() and p.name != "training_report.json"),

@@ -114,6 +114,12 @@ def test_the_training_pipeline_runs_end_to_end_on_a_small_budget(engine, tmp_pat
         assert figures["rows"] == 2 and 0 < figures["l0"] <= 8, (kind, figures)
         assert figures["ce_loss_with_ablation"] > figures["ce_loss_without_sae"], (kind, figures)
         assert {"ce_loss_score", "kl_div_score", "explained_variance", "dead_fraction", "dense_fraction"} <= set(figures)
+    # and on text from outside the corpus (GNU Coding Standards raw, Maintainer Information as chat)
+    outside = report["sae_lens_heldout"]
+    assert outside["source"]["package"] == "gnu-standards" and outside["settings"]["context_size"] == 32
+    for text, figures in outside["by_text"].items():
+        assert figures["text"] == text and figures["rows"] == 2 and 0 < figures["l0"] <= 8, (text, figures)
+    assert set(outside["by_text"]) == {"raw", "chat"}
     assert report["feature_examples"] and (out / "sae_weights.safetensors").stat().st_size < 15_000_000
     info = engine.backend.info
     encoder = SAEEncoder.load(str(out), layer=16, top_k=4, model_hidden_size=info.hidden_size,
