@@ -13,8 +13,9 @@ Three kinds of text, each held out separately so the report can say how the SAE 
 ``prose``   fiction (Jane Austen's six novels; literature, humour and wisdom fortunes), encyclopaedic
             entries (FOLDOC, the Jargon File, The Devil's Dictionary, WordNet glosses), news-like
             clippings (fortune's ``news`` file) and instructions (Debian Reference, The Debian
-            Administrator's Handbook); the ``broad-manuals`` corpus adds GNU manuals (coreutils,
-            Bash, find, sed, diff, Wget, grep: the Texinfo manuals as installed for ``info``).
+            Administrator's Handbook) and, in the default ``broad-manuals`` corpus, GNU manuals
+            (coreutils, Bash, find, sed, diff, Wget, grep: the Texinfo manuals as installed for
+            ``info``).
 ``chat``    conversations in the model's own chat template — system prompt (default or custom),
             user turns (questions, requests, quotes) and assistant turns — whose answers are
             passages from the prose and code pools (disjoint from the passages used as plain text).
@@ -43,7 +44,7 @@ from engine.errors import ConfigError
 from .debian_packages import CorpusSourceError, fetch_package
 
 __all__ = ["Source", "SOURCES", "MANUAL_SOURCES", "KIND_SHARES", "CORPORA", "Corpus", "CorpusBuild", "build_corpus",
-           "DEFAULT_CACHE"]
+           "DEFAULT_CACHE", "DEFAULT_CORPUS"]
 
 DEFAULT_CACHE = Path(__file__).resolve().parents[2] / "artifacts" / "sae-corpus"
 KINDS = ("prose", "chat", "code")
@@ -91,7 +92,7 @@ SOURCES: tuple[Source, ...] = (
 )
 
 #: GNU manuals (Texinfo, as installed for `info`): plain technical English about the tools users ask
-#: about. Not in the committed SAE's corpus; ``broad-manuals`` adds them to its prose.
+#: about; ``broad-manuals`` (the committed SAE's corpus) has them in its prose, ``broad`` does not.
 MANUAL_SOURCES: tuple[Source, ...] = (
     Source("coreutils-manual", "prose", "manuals", "coreutils", "GFDL-1.3+ (the manual; FSF)", 0.06,
            _read_info("coreutils")),
@@ -104,9 +105,9 @@ MANUAL_SOURCES: tuple[Source, ...] = (
     Source("grep-manual", "prose", "manuals", "grep", "GFDL-1.3+ (the manual; FSF)", 0.01, _read_info("grep")),
 )
 
-#: ``broad-manuals``: the broad corpus with the GNU manuals in its prose (the candidate for an SAE
-#: that explains technical English better). Prose weights make room for the manuals (a fifth of
-#: the prose); kinds 50/32/18.
+#: ``broad-manuals``: the broad corpus with the GNU manuals in its prose, so the SAE explains the
+#: technical English users paste (the committed SAE's corpus). Prose weights make room for the
+#: manuals (a fifth of the prose); kinds 50/32/18.
 _MANUALS_PROSE_WEIGHTS = {"austen": 0.19, "fortunes": 0.05, "fortunes-min": 0.03, "foldoc": 0.10, "jargon": 0.07,
                           "devils-dictionary": 0.04, "wordnet": 0.05, "fortunes-news": 0.03, "debian-reference": 0.10,
                           "debian-handbook": 0.13}
@@ -130,13 +131,16 @@ class Corpus:
     chat: bool = True
 
 
-#: ``raylens train-sae --corpus NAME``. ``broad`` is the committed SAE's corpus: changing its
-#: sources, weights or order changes the text it rebuilds.
+#: ``raylens train-sae --corpus NAME``. ``broad-manuals`` is the committed SAE's corpus, ``broad``
+#: the one before it (4096 features): changing their sources, weights or order changes the text
+#: they rebuild.
 CORPORA: dict[str, Corpus] = {
     "broad": Corpus(SOURCES, KIND_SHARES),
     "broad-manuals": Corpus(_MANUALS_CORPUS_SOURCES, {"prose": 0.50, "chat": 0.32, "code": 0.18}),
     "cpython": Corpus(CPYTHON_SOURCES, {"code": 1.0}, chat=False),
 }
+#: The committed SAE's corpus: what ``raylens train-sae`` builds unless told otherwise.
+DEFAULT_CORPUS = "broad-manuals"
 
 
 # ------------------------------------------------------------------------------------- chat
@@ -234,7 +238,7 @@ def _load(sources: tuple[Source, ...], cache: Path) -> tuple[dict[str, list[str]
     return texts, versions
 
 
-def build_corpus(tokenizer: Any, n_sequences: int, seq_len: int, *, seed: int = 0, corpus: str = "broad",
+def build_corpus(tokenizer: Any, n_sequences: int, seq_len: int, *, seed: int = 0, corpus: str = DEFAULT_CORPUS,
                  cache: Path = DEFAULT_CACHE) -> CorpusBuild:
     """``n_sequences`` token sequences of ``seq_len`` from the corpus named ``corpus`` (:data:`CORPORA`),
     split over the kinds by its shares.
