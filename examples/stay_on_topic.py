@@ -10,7 +10,7 @@ feature for your off-topic subject with ``examples/feature_finder.py``. Run:
 
 from mods.features import backtrack_when
 
-OFF_TOPIC_FEATURE = 1841  # fires on " game" (and nothing else in the plain answer) (examples/feature_finder.py, the committed SAE)
+OFF_TOPIC_FEATURE = 6608  # fires on " game" (and nothing else in the plain answer) (examples/feature_finder.py, the committed SAE)
 THRESHOLD = 9.0
 
 stay_on_topic = backtrack_when(OFF_TOPIC_FEATURE, THRESHOLD, n=1, max_times=8, name="stay_on_topic")

@@ -10,7 +10,7 @@ events). Run:
 
 from mods.features import steer_toward
 
-FEATURE = 699  # the strongest cooking feature (examples/feature_finder.py, the committed SAE)
+FEATURE = 1145  # the strongest cooking feature (examples/feature_finder.py, the committed SAE)
 SCALE = 20.0
 
 steer_feature = steer_toward(FEATURE, SCALE, name="steer_feature")

@@ -28,12 +28,6 @@ def report() -> dict:
     return json.loads((DIRECTORY / "training_report.json").read_text(encoding="utf-8"))
 
 
-#: The goal is on the held-out mix (met: 0.857). Each kind is reported too; prose explains 0.841 on
-#: its own, short of 0.85 until a run with more prose (see the README). Strict: a report that meets
-#: it makes that case fail, so the marker is removed then.
-PROSE_NOT_MET = pytest.mark.xfail(strict=True, reason="prose alone explains 0.841 of its variance, short of 0.85")
-
-
 def _sparse_and_measured(figures: dict, where: str) -> None:
     assert 0 < figures["l0"] <= L0_MAX, f"{where}: L0 {figures['l0']}"
     assert figures["heldout_tokens"] >= 5_000, f"{where}: only {figures['heldout_tokens']} held-out tokens"
@@ -56,7 +50,7 @@ def test_the_explained_variance_goal_is_met_on_the_held_out_mix(report):
     assert report["heldout"]["explained_variance"] >= EV_MIN
 
 
-@pytest.mark.parametrize("kind", [pytest.param("prose", marks=PROSE_NOT_MET), "chat", "code"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_explained_variance_goal_is_met_for_each_kind_of_text(report, kind):
     assert report["heldout_by_kind"][kind]["explained_variance"] >= EV_MIN
 
@@ -116,9 +110,11 @@ def test_the_local_config_reads_the_committed_sae_at_its_layer(report):
 
 CE_LOSS_SCORE_MIN = 0.9
 HELDOUT_TEXTS = ("raw", "chat")
-#: Measured by pipelines/sae_training/heldout_evals.py; strict, so a better SAE makes it fail until removed.
-RAW_TEXT_EV_NOT_MET = pytest.mark.xfail(
-    strict=True, reason="GNU Coding Standards paragraphs as raw text explain 0.834 of their variance, short of 0.85")
+#: "Dead" here is "never fired in these ~8k tokens" (over the 120k-token held-out mix no feature is
+#: dead); with 8192 features, 5.9 % of them stay silent on the chat-templated text. Strict, so a
+#: report that meets it makes this fail until the marker is removed.
+CHAT_DEAD_NOT_MET = pytest.mark.xfail(
+    strict=True, reason="5.9 % of the features never fire on the ~8k chat-templated tokens, short of < 5 %")
 
 
 def test_sae_lens_figures_on_text_outside_the_corpus_name_their_source_and_licence(report):
@@ -137,15 +133,26 @@ def test_sae_lens_figures_on_text_outside_the_corpus_name_their_source_and_licen
         assert figures["ce_loss_with_ablation"] > figures["ce_loss_with_sae"] >= figures["ce_loss_without_sae"] * 0.99
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_sae_lens_figures_on_each_kinds_held_out_sequences_meet_the_goals(report, kind):
+    figures = report["sae_lens_evals"]["by_kind"][kind]
+    assert figures["ce_loss_score"] >= CE_LOSS_SCORE_MIN and figures["explained_variance"] >= EV_MIN, figures
+    assert 0 < figures["l0"] <= L0_MAX and figures["dead_fraction"] < DEAD_MAX, figures
+
+
 @pytest.mark.parametrize("kind", HELDOUT_TEXTS)
-def test_sae_lens_ce_loss_score_sparsity_and_dead_goals_hold_outside_the_corpus(report, kind):
+def test_sae_lens_ce_loss_score_and_sparsity_goals_hold_outside_the_corpus(report, kind):
     figures = report["sae_lens_heldout"]["by_text"][kind]
     assert figures["ce_loss_score"] >= CE_LOSS_SCORE_MIN, figures
     assert 0 < figures["l0"] <= L0_MAX, figures
-    assert figures["dead_fraction"] < DEAD_MAX, figures
 
 
-@pytest.mark.parametrize("kind", [pytest.param("raw", marks=RAW_TEXT_EV_NOT_MET), "chat"])
+@pytest.mark.parametrize("kind", ["raw", pytest.param("chat", marks=CHAT_DEAD_NOT_MET)])
+def test_sae_lens_dead_feature_goal_holds_outside_the_corpus(report, kind):
+    assert report["sae_lens_heldout"]["by_text"][kind]["dead_fraction"] < DEAD_MAX
+
+
+@pytest.mark.parametrize("kind", HELDOUT_TEXTS)
 def test_sae_lens_explained_variance_goal_outside_the_corpus(report, kind):
     assert report["sae_lens_heldout"]["by_text"][kind]["explained_variance"] >= EV_MIN
 
