@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipelines.sae_training import COMMITTED_SAE_DIR
 from pipelines.sae_training.corpus import DEFAULT_CACHE
 from pipelines.sae_training.debian_packages import fetch_package
 
@@ -95,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
     defaults = SAEEvalSettings()
     p = argparse.ArgumentParser(prog="python -m pipelines.sae_training.heldout_evals", description=__doc__.splitlines()[0])
-    p.add_argument("--sae-dir", type=Path, help="SAE directory whose training_report.json to update (default: the "
-                   "committed SAE; not imported from train, which imports this module)")
+    p.add_argument("--sae-dir", type=Path, default=COMMITTED_SAE_DIR,
+                   help="SAE directory whose training_report.json to update (default: the committed SAE)")
     p.add_argument("--corpus-cache", type=Path, default=DEFAULT_CACHE, help="where Debian packages are unpacked")
     p.add_argument("--context-size", type=int, default=defaults.context_size)
     p.add_argument("--batch-prompts", type=int, default=defaults.batch_prompts)
@@ -104,10 +105,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="raylens config naming the model (default configs/local.yaml)")
     args = p.parse_args(argv)
     settings = SAEEvalSettings(context_size=args.context_size, batch_prompts=args.batch_prompts, batches=args.batches)
-    if args.sae_dir is None:
-        from engine.services.sae import SAE_REGISTRY
-
-        args.sae_dir = SAE_REGISTRY["smollm2-135m-instruct-l16"].path
     report_file = args.sae_dir / "training_report.json"
     report = json.loads(report_file.read_text(encoding="utf-8"))
     report["sae_lens_heldout"] = evaluate(args.sae_dir, args.corpus_cache, settings, args.config)

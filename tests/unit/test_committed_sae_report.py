@@ -85,6 +85,13 @@ def test_the_default_corpus_is_the_one_the_committed_sae_was_trained_on(report):
         {k: figures["share"] for k, figures in report["corpus"]["kinds"].items()}
 
 
+def test_training_writes_where_the_engine_reads_the_committed_sae():
+    from pipelines.sae_training import COMMITTED_SAE_DIR
+    from pipelines.sae_training.train import _parse
+
+    assert COMMITTED_SAE_DIR == DIRECTORY and _parse([])[1].out == DIRECTORY
+
+
 def test_the_weights_on_disk_are_the_ones_the_report_describes(report):
     weights = DIRECTORY / report["weights"]["file"]
     assert weights.stat().st_size == report["weights"]["size_bytes"]
