@@ -36,12 +36,13 @@ import argparse
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 from pipelines.sae_training import COMMITTED_SAE_DIR
 from pipelines.sae_training.corpus import CORPORA, DEFAULT_CACHE, DEFAULT_CORPUS
+from pipelines.sae_training.heldout_evals import BATCHES as OUTSIDE_EVAL_BATCHES
 
 __all__ = ["TrainConfig", "arguments", "config_from", "collect_activations", "train", "evaluate", "sae_lens_evals",
            "run", "main"]
@@ -73,6 +74,8 @@ class TrainConfig:
     eval_context_size: int = 128
     eval_batch_prompts: int = 4
     eval_batches: int = 16
+    # ... and on the texts from outside the corpus, which are longer: more tokens than features
+    outside_eval_batches: int = OUTSIDE_EVAL_BATCHES
 
 
 # ---------------------------------------------------------------------------------- collection
@@ -214,7 +217,7 @@ def arguments() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(add_help=False)
     for name in ("tokens", "epochs", "layer", "width", "k", "seq_len", "seed", "train_batch", "dead_window",
-                 "code_repeat", "eval_context_size", "eval_batch_prompts", "eval_batches"):
+                 "code_repeat", "eval_context_size", "eval_batch_prompts", "eval_batches", "outside_eval_batches"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--holdout", type=float, default=defaults.holdout, help="held-out share of every kind of text")
@@ -325,7 +328,8 @@ def run(cfg: TrainConfig, args: argparse.Namespace) -> int:
                                     batches=cfg.eval_batches)
     evals = sae_lens_evals(saved, resolve_model_path(backend_cfg.model_id, backend_cfg.model_cache_dir), tokenizer,
                            held_sequences, eval_settings)
-    outside = outside_corpus_evals(args.out, args.corpus_cache, eval_settings, args.config)
+    outside = outside_corpus_evals(args.out, args.corpus_cache, replace(eval_settings, batches=cfg.outside_eval_batches),
+                                   args.config)
     weights = args.out / "sae_weights.safetensors"
     summary = {
         "model": backend_cfg.model_id,

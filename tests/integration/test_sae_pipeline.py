@@ -104,7 +104,7 @@ def test_the_training_pipeline_runs_end_to_end_on_a_small_budget(engine, tmp_pat
     out = tmp_path / "sae"
     assert main(["--corpus", "cpython", "--tokens", "6000", "--width", "256", "--k", "8", "--train-batch", "512",
                  "--epochs", "2", "--eval-context-size", "32", "--eval-batch-prompts", "2", "--eval-batches", "1",
-                 "--out", str(out)]) == 0
+                 "--outside-eval-batches", "2", "--out", str(out)]) == 0
     report = json.loads((out / "training_report.json").read_text())
     assert report["train_tokens"] > 4000 and 0 < report["heldout"]["l0"] <= 8
     # sae-lens' own evaluation of the saved SAE on the held-out sequences is in the report
@@ -118,7 +118,7 @@ def test_the_training_pipeline_runs_end_to_end_on_a_small_budget(engine, tmp_pat
     outside = report["sae_lens_heldout"]
     assert outside["source"]["package"] == "gnu-standards" and outside["settings"]["context_size"] == 32
     for text, figures in outside["by_text"].items():
-        assert figures["text"] == text and figures["rows"] == 2 and 0 < figures["l0"] <= 8, (text, figures)
+        assert figures["text"] == text and figures["rows"] == 4 and 0 < figures["l0"] <= 8, (text, figures)
     assert set(outside["by_text"]) == {"raw", "chat"}
     assert report["feature_examples"] and (out / "sae_weights.safetensors").stat().st_size < 15_000_000
     info = engine.backend.info

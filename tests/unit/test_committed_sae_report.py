@@ -117,11 +117,10 @@ def test_the_local_config_reads_the_committed_sae_at_its_layer(report):
 
 CE_LOSS_SCORE_MIN = 0.9
 HELDOUT_TEXTS = ("raw", "chat")
-#: "Dead" here is "never fired in these ~8k tokens" (over the 120k-token held-out mix no feature is
-#: dead); with 8192 features, 5.9 % of them stay silent on the chat-templated text. Strict, so a
-#: report that meets it makes this fail until the marker is removed.
-CHAT_DEAD_NOT_MET = pytest.mark.xfail(
-    strict=True, reason="5.9 % of the features never fire on the ~8k chat-templated tokens, short of < 5 %")
+#: "Dead" here is "never fired in the sample", so the sample must hold more tokens than the SAE has
+#: features, or rare features count as dead for want of text (with 8192 features: 5.9 % on ~8k
+#: chat tokens, 3.3 % on ~16k).
+SAMPLE_TOKENS_PER_FEATURE = 2
 
 
 def test_sae_lens_figures_on_text_outside_the_corpus_name_their_source_and_licence(report):
@@ -134,7 +133,8 @@ def test_sae_lens_figures_on_text_outside_the_corpus_name_their_source_and_licen
     for kind in HELDOUT_TEXTS:
         figures = heldout["by_text"][kind]
         assert figures["text"] == kind and figures["rows"] == settings["batches"] * settings["batch_prompts"]
-        assert figures["tokens"] == figures["rows"] * settings["context_size"] >= 8192, figures
+        assert figures["tokens"] == figures["rows"] * settings["context_size"], figures
+        assert figures["tokens"] >= SAMPLE_TOKENS_PER_FEATURE * report["config"]["width"], figures
         assert 0 <= figures["rows_left_out"] < figures["rows"] // 4, figures  # attention-sink rows, counted
         # positive control of the CE-loss score: zeroing the hook must cost far more than the SAE does
         assert figures["ce_loss_with_ablation"] > figures["ce_loss_with_sae"] >= figures["ce_loss_without_sae"] * 0.99
@@ -154,7 +154,7 @@ def test_sae_lens_ce_loss_score_and_sparsity_goals_hold_outside_the_corpus(repor
     assert 0 < figures["l0"] <= L0_MAX, figures
 
 
-@pytest.mark.parametrize("kind", ["raw", pytest.param("chat", marks=CHAT_DEAD_NOT_MET)])
+@pytest.mark.parametrize("kind", HELDOUT_TEXTS)
 def test_sae_lens_dead_feature_goal_holds_outside_the_corpus(report, kind):
     assert report["sae_lens_heldout"]["by_text"][kind]["dead_fraction"] < DEAD_MAX
 
