@@ -33,7 +33,7 @@ class IngestActor:
         self._queue: deque[dict[str, Any]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._counts = {"submitted": 0, "delivered": 0, "spooled": 0, "replayed": 0, "dropped_without_url": 0}
+        self._counts = {"submitted": 0, "delivered": 0, "spooled": 0, "dropped_without_url": 0}
         self._ledger = DeliveryLedger()  # per request id, so a job counts its own payloads
         if self.client is not None:
             self._replay()
@@ -62,9 +62,7 @@ class IngestActor:
 
     def _replay(self) -> None:
         assert self.client is not None
-        delivered, _ = self.client.replay_spool()
-        with self._lock:
-            self._counts["replayed"] += delivered
+        self.client.replay_spool()  # counted by the client (a send's own replays included)
 
     def flush(self) -> dict[str, Any]:
         """Send everything queued now (also called by the flusher thread)."""
@@ -101,4 +99,6 @@ class IngestActor:
         with self._lock:
             queued = len(self._queue)
             counts = dict(self._counts)
-        return {**counts, "queued": queued, "spool_files": self._spooled_files(), "url": self.config.url}
+        spool_files = self._spooled_files()  # before `replayed`: a file is counted before it goes
+        replayed = self.client.replayed if self.client is not None else 0
+        return {**counts, "replayed": replayed, "queued": queued, "spool_files": spool_files, "url": self.config.url}

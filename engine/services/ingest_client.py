@@ -8,7 +8,10 @@ means the backend rejects the payload itself: it goes to ``<spool>/rejected/`` w
 response, for a person to look at. Nothing is dropped.
 
 Delivery is at-least-once: the backend upserts by ``request_id``, so a replay after an
-ambiguous failure is harmless.
+ambiguous failure is harmless. One replay runs at a time per client (a second caller, e.g. a send's
+replay while a flusher thread replays, skips it rather than posting the same files again), and
+:attr:`IngestClient.replayed` counts a spooled payload when its post succeeds, before its file
+goes: whoever sees the spool empty sees every replayed payload counted.
 
 Spool file names are ``<readable part of the id>-<hash of the whole id>.json``: the readable part
 alone maps different ids to one file (``a/b`` and ``a_b``, or two long ids with one prefix), and
@@ -71,6 +74,14 @@ def _write_atomic(path: Path, payload: dict[str, Any], note: str | None = None) 
     staging.replace(path)
 
 
+def _oldest_first(path: Path) -> float:
+    """Sort key of spool files by age; one removed meanwhile (another process replayed it) sorts last."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
 class IngestClient:
     def __init__(self, config: IngestConfig, *, transport: httpx.BaseTransport | None = None) -> None:
         if not config.url:
@@ -78,6 +89,15 @@ class IngestClient:
         self.config = config
         self._client = httpx.Client(timeout=httpx.Timeout(config.timeout_s, connect=min(2.0, config.timeout_s)),
                                     transport=transport, headers={"Content-Type": "application/json"})
+        self._replaying = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._replayed = 0
+
+    @property
+    def replayed(self) -> int:
+        """Spooled payloads delivered so far, by :meth:`replay_spool` or after a :meth:`send`."""
+        with self._count_lock:
+            return self._replayed
 
     def close(self) -> None:
         self._client.close()
@@ -124,18 +144,33 @@ class IngestClient:
         return Delivery(request_id, False, status, str(path), error)
 
     def replay_spool(self) -> tuple[int, int]:
-        """Send spooled payloads, oldest first → (delivered, still spooled). Stops at the first failure."""
+        """Send spooled payloads, oldest first → (delivered, still spooled). Stops at the first
+        failure; delivers nothing when another replay of this client is running."""
         root = Path(self.config.spool_dir)
-        files = sorted(root.glob("*.json"), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
+        if not self._replaying.acquire(blocking=False):
+            return 0, len(list(root.glob("*.json"))) if root.is_dir() else 0
+        try:
+            delivered = self._replay_files(root)
+        finally:
+            self._replaying.release()
+        remaining = len(list(root.glob("*.json"))) if root.is_dir() else 0
+        return delivered, remaining
+
+    def _replay_files(self, root: Path) -> int:
+        files = sorted(root.glob("*.json"), key=_oldest_first) if root.is_dir() else []
         delivered = 0
         for path in files:
             try:
                 payload = json.loads(path.read_text(encoding="utf-8"))
+            except FileNotFoundError:  # replayed meanwhile by another process sharing the spool
+                continue
             except (OSError, json.JSONDecodeError) as err:
                 log.error("spool file %s is unreadable (%s); leaving it for inspection", path, err)
                 continue
             status, error, retryable = self._post(payload)
             if error is None:
+                with self._count_lock:  # counted before the file goes (see the module docstring)
+                    self._replayed += 1
                 path.unlink(missing_ok=True)
                 delivered += 1
             elif retryable:
@@ -143,8 +178,7 @@ class IngestClient:
             else:
                 _write_atomic(root / "rejected" / path.name, payload, error)  # keeps its unique name
                 path.unlink(missing_ok=True)
-        remaining = len(list(root.glob("*.json"))) if root.is_dir() else 0
-        return delivered, remaining
+        return delivered
 
 
 class DeliveryLedger:

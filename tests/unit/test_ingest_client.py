@@ -122,3 +122,79 @@ def test_the_delivery_ledger_counts_only_the_asked_request_ids_and_forgets_the_o
     assert ledger.counts(["b", "c", "d", "zz"])["unknown"] == 2
     ledger.record({"no": "request"}, "delivered")  # a payload without an id is not counted
     assert ledger.counts(["c", "d"])["delivered"] == 2
+
+
+def _spool_while_down(c: IngestClient, up: dict, ids: list[str]) -> None:
+    for rid in ids:
+        assert not c.send(payload(rid)).delivered
+    up["value"] = True
+
+
+def test_a_replayed_payload_is_counted_before_its_spool_file_goes(tmp_path, monkeypatch):
+    # The actor reports `replayed` beside `spool_files`; whoever sees a file gone must see it counted.
+    from pathlib import Path
+
+    up = {"value": False}
+
+    def handler(request):
+        if not up["value"]:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(201)
+
+    with client(tmp_path, handler, retries=0) as c:
+        _spool_while_down(c, up, ["a", "b", "c"])
+        seen_at_unlink = []
+        unlink = Path.unlink
+
+        def watched_unlink(self, missing_ok=False):
+            if self.parent == tmp_path / "spool":
+                seen_at_unlink.append(c.replayed)
+            unlink(self, missing_ok=missing_ok)
+
+        monkeypatch.setattr(Path, "unlink", watched_unlink)
+        assert c.replay_spool() == (3, 0)
+        assert seen_at_unlink == [1, 2, 3] and c.replayed == 3
+
+
+def test_payloads_replayed_after_a_successful_send_are_counted(tmp_path):
+    up = {"value": False}
+
+    def handler(request):
+        if not up["value"]:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(201)
+
+    with client(tmp_path, handler, retries=0) as c:
+        _spool_while_down(c, up, ["down-1", "down-2"])
+        assert c.replayed == 0
+        assert c.send(payload("up")).delivered  # its success replays the spool
+        assert c.replayed == 2 and list((tmp_path / "spool").glob("*.json")) == []
+
+
+def test_a_second_replay_while_one_runs_posts_no_payload_twice(tmp_path):
+    import threading
+
+    up = {"value": False}
+    posted = []
+    entered, release = threading.Event(), threading.Event()
+
+    def handler(request):
+        if not up["value"]:
+            raise httpx.ConnectError("refused")
+        posted.append(json.loads(request.content)["request"]["request_id"])
+        entered.set()
+        assert release.wait(timeout=30), "the test never released the first replay"
+        return httpx.Response(201)
+
+    with client(tmp_path, handler, retries=0) as c:
+        _spool_while_down(c, up, ["p", "q", "r"])
+        first = threading.Thread(target=c.replay_spool)
+        first.start()
+        try:
+            assert entered.wait(timeout=30)
+            assert c.replay_spool() == (0, 3)  # the running replay owns the spool: nothing posted here
+        finally:
+            release.set()
+            first.join(timeout=30)
+        assert not first.is_alive()
+        assert sorted(posted) == ["p", "q", "r"] and c.replayed == 3
