@@ -124,6 +124,15 @@ def test_the_delivery_ledger_counts_only_the_asked_request_ids_and_forgets_the_o
     assert ledger.counts(["c", "d"])["delivered"] == 2
 
 
+def _refusing_until_up(up: dict):
+    """A backend that refuses connections until ``up["value"]`` is set, then answers 201."""
+    def handler(request):
+        if not up["value"]:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(201)
+    return handler
+
+
 def _spool_while_down(c: IngestClient, up: dict, ids: list[str]) -> None:
     for rid in ids:
         assert not c.send(payload(rid)).delivered
@@ -135,13 +144,7 @@ def test_a_replayed_payload_is_counted_before_its_spool_file_goes(tmp_path, monk
     from pathlib import Path
 
     up = {"value": False}
-
-    def handler(request):
-        if not up["value"]:
-            raise httpx.ConnectError("refused")
-        return httpx.Response(201)
-
-    with client(tmp_path, handler, retries=0) as c:
+    with client(tmp_path, _refusing_until_up(up), retries=0) as c:
         _spool_while_down(c, up, ["a", "b", "c"])
         seen_at_unlink = []
         unlink = Path.unlink
@@ -158,13 +161,7 @@ def test_a_replayed_payload_is_counted_before_its_spool_file_goes(tmp_path, monk
 
 def test_payloads_replayed_after_a_successful_send_are_counted(tmp_path):
     up = {"value": False}
-
-    def handler(request):
-        if not up["value"]:
-            raise httpx.ConnectError("refused")
-        return httpx.Response(201)
-
-    with client(tmp_path, handler, retries=0) as c:
+    with client(tmp_path, _refusing_until_up(up), retries=0) as c:
         _spool_while_down(c, up, ["down-1", "down-2"])
         assert c.replayed == 0
         assert c.send(payload("up")).delivered  # its success replays the spool
