@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from engine.config import IngestConfig
-from engine.services.ingest_client import DeliveryLedger, IngestClient
+from engine.services.ingest_client import DeliveryLedger, IngestClient, spooled_count
 
 from .versioning import code_version
 
@@ -85,10 +85,7 @@ class IngestActor:
                 self._replay()
 
     def _spooled_files(self) -> int:
-        from pathlib import Path
-
-        root = Path(self.config.spool_dir)
-        return len(list(root.glob("*.json"))) if root.is_dir() else 0
+        return spooled_count(self.config.spool_dir)
 
     def outcomes(self, request_ids: list[str]) -> dict[str, int]:
         """How the payloads of these request ids ended: a job's own delivered/spooled counts."""

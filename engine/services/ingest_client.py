@@ -36,7 +36,7 @@ import httpx
 from engine.config import IngestConfig
 from engine.services.strict_json import dumps
 
-__all__ = ["IngestClient", "Delivery", "spool_path"]
+__all__ = ["IngestClient", "Delivery", "spool_path", "spooled_count"]
 
 log = logging.getLogger("raylens.ingest")
 
@@ -72,6 +72,12 @@ def _write_atomic(path: Path, payload: dict[str, Any], note: str | None = None) 
     body = payload if note is None else {"payload": payload, "rejected_because": note}
     staging.write_text(dumps(body), encoding="utf-8")
     staging.replace(path)
+
+
+def spooled_count(spool_dir: str | Path) -> int:
+    """Payloads waiting in the spool (rejected ones, in ``rejected/``, are not waiting)."""
+    root = Path(spool_dir)
+    return len(list(root.glob("*.json"))) if root.is_dir() else 0
 
 
 def _oldest_first(path: Path) -> float:
@@ -146,15 +152,13 @@ class IngestClient:
     def replay_spool(self) -> tuple[int, int]:
         """Send spooled payloads, oldest first → (delivered, still spooled). Stops at the first
         failure; delivers nothing when another replay of this client is running."""
-        root = Path(self.config.spool_dir)
         if not self._replaying.acquire(blocking=False):
-            return 0, len(list(root.glob("*.json"))) if root.is_dir() else 0
+            return 0, spooled_count(self.config.spool_dir)
         try:
-            delivered = self._replay_files(root)
+            delivered = self._replay_files(Path(self.config.spool_dir))
         finally:
             self._replaying.release()
-        remaining = len(list(root.glob("*.json"))) if root.is_dir() else 0
-        return delivered, remaining
+        return delivered, spooled_count(self.config.spool_dir)
 
     def _replay_files(self, root: Path) -> int:
         files = sorted(root.glob("*.json"), key=_oldest_first) if root.is_dir() else []

@@ -195,3 +195,26 @@ def test_a_second_replay_while_one_runs_posts_no_payload_twice(tmp_path):
             first.join(timeout=30)
         assert not first.is_alive()
         assert sorted(posted) == ["p", "q", "r"] and c.replayed == 3
+
+
+def test_a_spool_file_another_process_replayed_meanwhile_is_skipped_quietly(tmp_path, caplog):
+    # Two clients (an engine and an actor, say) sharing one spool: while the first posts its oldest
+    # file, the second replays everything; the first then finds the rest gone and is not alarmed.
+    up = {"value": False}
+    other = client(tmp_path, _refusing_until_up(up), retries=0)
+    first_posts = []
+
+    def handler(request):
+        if not up["value"]:
+            raise httpx.ConnectError("refused")
+        first_posts.append(json.loads(request.content)["request"]["request_id"])
+        if len(first_posts) == 1:
+            assert other.replay_spool() == (3, 0)  # the other process empties the spool
+        return httpx.Response(201)
+
+    with client(tmp_path, handler, retries=0) as c, other:
+        _spool_while_down(c, up, ["s1", "s2", "s3"])
+        with caplog.at_level("ERROR", logger="raylens.ingest"):
+            assert c.replay_spool() == (1, 0)
+    assert len(first_posts) == 1 and other.replayed == 3
+    assert not [r for r in caplog.records if "unreadable" in r.getMessage()]
