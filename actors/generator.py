@@ -267,9 +267,7 @@ class GeneratorActor:
         stats["batch"] = {"steps": loop.steps, "max_active": loop.max_active, "waits_for_room": loop.waits_for_room,
                           "deferred_announcements": loop.deferred_announcements,
                           "mean_launch_gap_ms": round(loop.mean_launch_gap_ms, 3)}
-        cache_stats = getattr(self.engine.backend, "cache_stats", None)
-        if cache_stats is not None:  # paged KV cache: blocks used/free, prefix-cache hit rate
-            stats["kv_cache"] = cache_stats()
+        stats["kv_cache"] = self.engine.cache_stats()  # paged KV cache: blocks used/free, prefix-cache hit rate
         if self.engine.recorder is not None:
             stats["sae"] = self.engine.recorder.report()
         return stats

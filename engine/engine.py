@@ -102,7 +102,8 @@ class Engine:
         self.processor = InputProcessor(
             tokenizer=self.backend.tokenizer(), vocab_size=info.vocab_size, max_context=info.max_context,
             max_sequence=self.backend.max_sequence, eos_token_ids=info.eos_token_ids,
-            defaults=config.generation, load_mods=lambda specs, dirs: load_mods(specs, allowed_dirs=dirs))
+            defaults=config.generation, load_mods=lambda specs, dirs: load_mods(specs, allowed_dirs=dirs),
+            prefix_caching=self.backend.config.prefix_caching)
         self.output = OutputProcessor(tokenizer=self.backend.tokenizer(), info=info,
                                       backend_type=config.backend.backend_type, layer=config.backend.hidden_state_layer,
                                       ingest=self._ingest, store=self.store, sae_metadata=self._sae_metadata)
@@ -170,6 +171,11 @@ class Engine:
     @property
     def tokenizer(self) -> Any:
         return self.backend.tokenizer()
+
+    def cache_stats(self) -> dict[str, Any]:
+        """The paged KV cache's blocks (total, used, free, cached, reserved), evictions, and the
+        prefix cache's lookups and hit rate (tokens reused / prompt tokens)."""
+        return self.loop.cache_stats()
 
     @property
     def sae_features_inline(self) -> bool:
@@ -248,8 +254,8 @@ class Engine:
         if processed.attention_all_layers:
             names.update(f"blocks.{layer}.attn.hook_pattern" for layer in range(info.num_layers))
         plan = CapturePlan.of(names, info.num_layers)
-        source: GenerationRequest = processed.source
-        user_prompt = source.user_prompt
+        context = processed.context
+        user_prompt = context.user_prompt
         loaded = processed.mods
         builder = PayloadBuilder(request_id, tokenizer=self.tokenizer, request={
             "model": info.model_id[:255],
@@ -272,15 +278,15 @@ class Engine:
             stream=handle, started_at=time.perf_counter(),
         )
         self._claim(request_id)
-        conversation.set_conversation(request_id, source.conversation)
+        conversation.set_conversation(request_id, [dict(m) for m in context.conversation])
         conversation.set_schemas(request_id, conversation.schemas_from_request(
-            source.response_format, list(source.tools) if source.tools is not None else None))
+            context.response_format, list(context.tools) if context.tools is not None else None))
         try:
             with self._lock:
                 self._handles[request_id] = handle
             machine = RequestMachine(state, vocab_size=info.vocab_size, device=self.backend.device,
                                      steering=self._steering)
-            self.loop.submit(Entry(state, machine, handle, self._finalize), block=block, timeout=timeout)
+            self.loop.submit(Entry(machine, handle, self._finalize), block=block, timeout=timeout)
         except BaseException:
             self._release(request_id)
             raise
@@ -290,7 +296,7 @@ class Engine:
         """With a store, a caller's id that any earlier request used runs under a fresh one
         (``<id>~<session>``), as a Ray job's lines do: the store's rows of that id describe the
         earlier request's tokens, and SAE batch ids derive from it. The result says both ids."""
-        if self.store is None or processed.source is None or processed.source.request_id is None:
+        if self.store is None or processed.caller_request_id is None:
             return processed  # a generated id is fresh
         [claimed] = self.store.claim_request_ids([processed.request_id], self._session, max_chars=REQUEST_ID_MAX_CHARS)
         return processed if claimed == processed.request_id else dataclasses.replace(processed, request_id=claimed)

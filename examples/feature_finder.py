@@ -12,7 +12,6 @@ import sys
 import torch
 
 from engine import Engine
-from engine.model.backend import ForwardRow
 from engine.model.capture import CapturePlan
 
 KINDS = {
@@ -32,13 +31,8 @@ def mean_features(engine: Engine, texts: list[str]) -> torch.Tensor:
     count = 0
     for i, text in enumerate(texts):
         ids = engine.tokenizer.encode(text, add_special_tokens=False)
-        rid = f"finder-{i}"
-        engine.backend.acquire(rid)
-        try:
-            out = engine.backend.forward([ForwardRow(rid, 0, tuple(ids), CapturePlan.of(
-                [f"blocks.{layer}.hook_resid_post"], engine.backend.info.num_layers, all_query_rows=True))])[0]
-        finally:
-            engine.backend.release(rid)
+        out = engine.loop.forward_prompt(ids, CapturePlan.of([f"blocks.{layer}.hook_resid_post"],
+                                                            engine.backend.info.num_layers, all_query_rows=True))
         values, indices = encoder.encode_topk(out.captured.hidden[layer][1:])
         dense = torch.zeros(values.shape[0], encoder.identity.d_sae).scatter_(1, indices.cpu(), values.float().cpu())
         total += dense.sum(0)

@@ -89,6 +89,12 @@ def digest(result: Any) -> dict[str, Any]:
             "ignored": [[i.step, i.event_type, type(i.action).__name__, i.reason] for i in result.ignored_actions]}
 
 
+def _hit_tokens(engine: Any) -> int:
+    """Prompt tokens the engine's prefix cache served so far."""
+    stats = engine.cache_stats() if hasattr(engine, "cache_stats") else engine.backend.cache_stats()
+    return stats["hit_tokens"]
+
+
 def _chat(question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
 
@@ -112,12 +118,10 @@ def record(engine: Any, small: Any, sae_engine: Any) -> dict[str, Any]:
 
     warm = small.generate(messages=_chat("Why is the sky blue?"), max_tokens=4, temperature=0.0,
                           request_id="fx-prefix-warm")
-    before = small.backend.cache_stats()["hit_tokens"] if hasattr(small.backend, "cache_stats") else None
+    before = _hit_tokens(small)
     hit = small.generate(messages=_chat("Why do cats purr?"), max_tokens=NEW_TOKENS, temperature=0.0,
                          request_id="fx-prefix-hit")
-    out["prefix"] = {"warm": digest(warm), "hit": digest(hit)}
-    if before is not None:
-        out["prefix"]["hit_tokens"] = small.backend.cache_stats()["hit_tokens"] - before
+    out["prefix"] = {"warm": digest(warm), "hit": digest(hit), "hit_tokens": _hit_tokens(small) - before}
 
     with small.loop.admission_held():
         neighbour = small.submit("Count from one to five.", max_tokens=NEW_TOKENS, temperature=0.0,

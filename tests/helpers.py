@@ -96,34 +96,29 @@ class ScriptedBackend:
     """A 'model' that wants to write ``script`` after the prompt, one character per step.
 
     Logits: 10 for the scripted next character, 5 for the character after it, 0 elsewhere; past
-    the script's end it predicts EOS. It implements the Backend protocol (slots and batched
-    forwards) and counts forwards (one per row) for assertions.
+    the script's end it predicts EOS. It implements the Backend protocol (a model runner over
+    block tables it is handed) and counts forwards (one per row) for assertions.
     """
 
     def __init__(self, script: str = "hello world", vocab_size: int = 128) -> None:
         import torch
 
         from engine.config import BackendConfig
-        from engine.model.backend import ModelInfo
+        from engine.model.backend import KVLayout, ModelInfo
 
         self.tok = CharTokenizer()
         self.script = self.tok.encode(script) + [self.tok.eos_token_id]
-        self.config = BackendConfig(model_id="scripted", device="cpu", hidden_state_layer=0)
+        self.config = BackendConfig(model_id="scripted", device="cpu", hidden_state_layer=0, prefix_caching=False)
         self.device = torch.device("cpu")
         self.info = ModelInfo("scripted", vocab_size, 8, 2, 2, 1, 4096, (self.tok.eos_token_id,), "cpu", "float32")
-        self.sequences: dict[str, dict[str, Any]] = {}
         self.forward_count = 0
         self.max_batch = 8
         self.max_sequence = 4096
+        self.kv_layout = KVLayout(block_size=16, blocks=64, max_blocks=4096, block_bytes=0)
+        self.sequences: dict[int, dict[str, Any]] = {}  # first block of a table -> what was fed
 
     def tokenizer(self) -> CharTokenizer:
         return self.tok
-
-    def acquire(self, request_id: str) -> None:
-        self.sequences[request_id] = {"tokens": [], "prompt_len": 0}
-
-    def release(self, request_id: str) -> None:
-        self.sequences.pop(request_id, None)
 
     def _logits(self, seq: dict[str, Any]):
         import torch
@@ -142,18 +137,29 @@ class ScriptedBackend:
         if start == 0:
             seq["prompt_len"] = len(tokens)
 
-    def forward(self, rows: Sequence[Any]) -> list[Any]:
-        from engine.model.backend import RowOutput, top_logprobs
+    def execute(self, batch: Any) -> Any:
+        import torch
+
+        from engine.model.backend import ForwardOutput, top_logprobs
         from engine.model.capture import RowCapture
 
-        outputs = []
-        for row in rows:
-            seq = self.sequences[row.request_id]
+        logits = []
+        for row in batch.rows:
+            seq = self._sequence_of(row)
             self._feed(seq, row.start, row.tokens)
             self.forward_count += 1
-            logits = self._logits(seq)
-            outputs.append(RowOutput(logits, RowCapture(), top_logprobs(logits)))  # as a real backend does
-        return outputs
+            logits.append(self._logits(seq))
+        stacked = torch.stack(logits)
+        return ForwardOutput(stacked, top_logprobs(stacked), tuple(RowCapture() for _ in batch.rows))
+
+    def _sequence_of(self, row: Any) -> dict[str, Any]:
+        """What the row's sequence was fed so far. A sequence is known by its table's first block,
+        which a request keeps while it runs (prefix caching is off here, so no block is shared);
+        a prompt fed from position 0 starts it afresh."""
+        first = row.table[0]
+        if row.start == 0 or first not in self.sequences:
+            self.sequences[first] = {"tokens": [], "prompt_len": 0}
+        return self.sequences[first]
 
     def shutdown(self) -> None:
         self.sequences.clear()
@@ -171,7 +177,7 @@ class ScriptedAnswerBackend(ScriptedBackend):
         super().__init__("")
         self.answers = self.tok.encode(answers)
         self.written = 0
-        self._predicted: dict[str, int] = {}
+        self._predicted: dict[int, int] = {}
 
     def _next(self) -> int:
         return self.answers[self.written] if self.written < len(self.answers) else self.tok.eos_token_id
@@ -192,18 +198,14 @@ class ScriptedAnswerBackend(ScriptedBackend):
         self._predicted[id(seq)] = self._next()
 
 
-def forward_prompt(backend: Any, ids: Sequence[int], names: Sequence[str], request_id: str = "probe") -> Any:
-    """One prefill-shaped forward of ``ids`` on a fresh slot, capturing ``names`` for every
-    position; the slot is released afterwards. Returns the row's :class:`RowOutput`."""
-    from engine.model.backend import ForwardRow
+def forward_prompt(engine: Any, ids: Sequence[int], names: Sequence[str]) -> Any:
+    """One prefill-shaped forward of ``ids`` on blocks of its own, capturing ``names`` for every
+    position (run by the engine's step loop between steps; the blocks are freed afterwards).
+    Returns the row's :class:`RowOutput`."""
     from engine.model.capture import CapturePlan
 
-    plan = CapturePlan.of(names, backend.info.num_layers, all_query_rows=True)
-    backend.acquire(request_id)
-    try:
-        return backend.forward([ForwardRow(request_id, 0, tuple(ids), plan)])[0]
-    finally:
-        backend.release(request_id)
+    plan = CapturePlan.of(names, engine.backend.info.num_layers, all_query_rows=True)
+    return engine.loop.forward_prompt(ids, plan, timeout=600)
 
 
 def scripted_engine(script: str = "hello world", *, answers: str | None = None, **generation: Any):

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 from engine.config import GenerationConfig
 from engine.core.inputs import GENERATION_FIELDS, GenerationRequest
-from engine.core.request import EngineRequest
+from engine.core.request import EngineRequest, RequestContext
 from engine.core.structured import GrammarCompiler, grammar_spec
 from engine.errors import ContextOverflowError, InvalidRequestError, TokenOutOfVocabularyError, check_request_token_ids
 from engine.model.sampling import SamplingParams
@@ -27,7 +27,8 @@ class InputProcessor:
 
     def __init__(self, *, tokenizer: Any, vocab_size: int, max_context: int, max_sequence: int,
                  eos_token_ids: Sequence[int], defaults: GenerationConfig,
-                 load_mods: Callable[[Sequence[Any], Sequence[str]], list[Callable[..., Any]]]) -> None:
+                 load_mods: Callable[[Sequence[Any], Sequence[str]], list[Callable[..., Any]]],
+                 prefix_caching: bool = True) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         # the context rule: a prompt must be shorter than the model's context and the KV slot's
@@ -35,6 +36,7 @@ class InputProcessor:
         self.limit = min(max_context, max_sequence)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.defaults = defaults
+        self.prefix_caching = prefix_caching  # a request's default for its `prefix_cache` flag
         self._load_mods = load_mods
         self.grammars = GrammarCompiler(tokenizer, vocab_size=vocab_size, eos_token_ids=sorted(self.eos_token_ids))
 
@@ -98,6 +100,10 @@ class InputProcessor:
                                     float(request.frequency_penalty or 0.0)),
             stop_ids=self.stop_ids(gen), step_limit=gen.effective_step_limit, seed=gen.seed,
             logprobs=request.logprobs, attention_all_layers=request.attention == "all",
-            mods=mods, mod_call_timeout_s=gen.mod_call_timeout_s or None, source=request,
-            min_tokens=request.min_tokens or 0, grammar=grammar,
+            mods=mods, mod_call_timeout_s=gen.mod_call_timeout_s or None,
+            min_tokens=request.min_tokens or 0, grammar=grammar, caller_request_id=request.request_id,
+            prefix_cache=self.prefix_caching if request.prefix_cache is None else request.prefix_cache,
+            context=RequestContext(request.user_prompt, tuple(request.conversation),
+                                   dict(request.response_format) if request.response_format is not None else None,
+                                   request.tools),
         )

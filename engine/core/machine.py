@@ -34,6 +34,7 @@ order, with the same records, as in place.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -48,7 +49,19 @@ from engine.model.sampling import SampleResult, SampleRow
 from engine.model.tensor import TensorShim
 from mods.types import Added, ContextInfo, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
-__all__ = ["RequestMachine", "join_chunks"]
+__all__ = ["RequestMachine", "join_chunks", "run_guarded"]
+
+log = logging.getLogger("raylens.step_loop")
+
+
+def run_guarded(machine: "RequestMachine", fn: Callable[[], Any]) -> Any:
+    """Run one request's part of a step; a fault ends that request alone (None is returned)."""
+    try:
+        return fn()
+    except Exception as err:
+        log.warning("request %s failed: %s: %s", machine.request_id, type(err).__name__, err)
+        machine.fail(f"{type(err).__name__}: {err}")
+        return None
 
 
 class RequestMachine:
@@ -70,12 +83,13 @@ class RequestMachine:
             state.grammar = state.request.grammar.new_state()
         # the two plans a row is fed with, built once: a prompt's rows all, later feeds the newest
         self._plans = (state.plan.with_all_query_rows(False), state.plan.with_all_query_rows(True))
+        self._wants_top = True  # the payload records each ForwardPass's top log-probs
 
     @property
     def steer_log(self) -> list[dict[str, Any]]:
         return self.actions.steer_log
 
-    def start(self, *, max_sequence: int, overlap: bool) -> None:
+    def start(self, *, max_sequence: int, overlap: bool = False) -> None:
         """Admitted into a batch: its context limit and whether its announcements may overlap."""
         self.max_sequence, self.overlap = max_sequence, overlap
 
@@ -123,9 +137,23 @@ class RequestMachine:
 
     # ------------------------------------------------------------------------------- forward
 
-    def next_forward(self, allowance: int) -> ForwardRow | None:
-        """The row to feed now: the tokens not fed yet from the cached position, at most
-        ``allowance`` of them (an erased position is fed again from the last kept token)."""
+    def reservation(self, max_sequence: int) -> tuple[int, int]:
+        """KV positions to reserve at admission: all it may use (``prompt + max_tokens``, within
+        ``max_sequence``), and the least it can start with (its prompt and one more)."""
+        state = self.state
+        return min(len(state.prompt_ids) + state.max_tokens, max_sequence), len(state.prompt_ids) + 1
+
+    def prefix_lookup(self) -> tuple[list[int], Any] | None:
+        """``(prompt, plan)`` to look a cached prefix up with, before its first feed — None when
+        its ``prefix_cache`` flag is off, it already ended, or a steer changes its keys/values."""
+        state = self.state
+        if state.finish is not None or state.steer_delta is not None or not state.request.prefix_cache:
+            return None
+        return state.prompt_ids, self._plans[True]
+
+    def next_feed(self, allowance: int) -> tuple[int, list[int]] | None:
+        """``(start, tokens)`` to feed now: the tokens not fed yet from the cached position, at
+        most ``allowance`` of them (an erased position is fed again from the last kept token)."""
         state = self.state
         if state.finish is not None or allowance <= 0:
             return None
@@ -142,9 +170,15 @@ class RequestMachine:
             tokens = state.prompt_ids[start:end]
             if end > prompt_len:
                 tokens = tokens + state.generated[:end - prompt_len]
+        return start, tokens
+
+    def forward_row(self, start: int, tokens: Sequence[int], table: Sequence[int]) -> ForwardRow:
+        """The runner's row for a feed :meth:`next_feed` gave, over the request's block table."""
+        state = self.state
         steer = state.steer_delta
         layer = self.actions.steering.layer if steer is not None and self.actions.steering is not None else None
-        return ForwardRow(state.request_id, start, tuple(tokens), self._plans[not self._decoding], steer, layer)
+        return ForwardRow(state.request_id, start, tuple(tokens), self._plans[not self._decoding], steer, layer,
+                          table, self._wants_top)
 
     def reuse_prefix(self, length: int, captured: RowCapture) -> None:
         """The prompt's first ``length`` positions came from the prefix cache with the internals

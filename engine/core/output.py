@@ -42,7 +42,7 @@ class OutputProcessor:
                                       finish_reason=str(state.finish), prompt_tokens=len(state.prompt_ids),
                                       extra={"tool_calls": state.tool_calls, "error": state.error})
         metadata = self._metadata(state, elapsed_ms)
-        given = state.request.source.request_id if state.request.source is not None else None
+        given = state.request.caller_request_id
         if given is not None and given != state.request_id:
             metadata["given_request_id"] = given  # a reused id ran under a fresh one
         if steers:

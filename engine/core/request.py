@@ -21,13 +21,28 @@ if TYPE_CHECKING:  # llguidance is imported only by requests that ask for struct
     from engine.core.structured import CompiledGrammar
     from engine.core.structured.state import GrammarState
 
-__all__ = ["EngineRequest", "RequestState", "PayloadSink", "HiddenSink", "ForwardRecord"]
+__all__ = ["EngineRequest", "RequestContext", "RequestState", "PayloadSink", "HiddenSink", "ForwardRecord"]
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """What a request brings besides its tokens, for its mods and payload: the user's own words
+    (``user_prompt``), the conversation mods read through ``get_conversation``, and the
+    ``response_format`` and ``tools`` their schemas come from. Plain data: it crosses Ray."""
+
+    user_prompt: str | None = None
+    conversation: tuple[dict[str, Any], ...] = ()
+    response_format: dict[str, Any] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
 class EngineRequest:
     """A validated request as the step loop runs it: token ids, resolved sampling, the stop set
-    and limits. ``source`` is the caller's :class:`~engine.core.inputs.GenerationRequest`."""
+    and limits, built only by :class:`~engine.core.input_processor.InputProcessor`.
+    ``caller_request_id``: the id the caller gave (None: ``request_id`` was generated; the engine
+    may run a reused one under a fresh ``request_id``); ``prefix_cache``: whether this request
+    reuses and offers cached prompt prefixes (its flag, else the backend's default)."""
 
     request_id: str
     input_ids: tuple[int, ...]
@@ -40,15 +55,17 @@ class EngineRequest:
     attention_all_layers: bool = False  # stream every layer's newest attention row with each token
     mods: tuple[Callable[..., Any], ...] = ()  # loaded, in call order
     mod_call_timeout_s: float | None = None
-    source: Any = field(default=None, repr=False, compare=False)
     min_tokens: int = 0  # stop tokens are not drawn before this many tokens were generated
     grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)  # structured output
+    caller_request_id: str | None = None
+    prefix_cache: bool = True
+    context: RequestContext = field(default_factory=RequestContext, repr=False, compare=False)
 
     def portable(self) -> "EngineRequest":
         """This request for another process (a Serve replica reading a GeneratorActor's stream):
         the same type without its loaded mods and compiled grammar, which belong to the engine
         that built them."""
-        return replace(self, mods=(), source=None, grammar=None)
+        return replace(self, mods=(), grammar=None)
 
 
 class HiddenSink(Protocol):

@@ -1,17 +1,13 @@
-"""The Backend protocol: what the step loop needs from a model runtime, and nothing else.
+"""The Backend protocol: the model runner the step loop drives, and the typed batch it runs.
 
-A backend holds the model, its tokenizer and a KV cache with room for every active request. The
-core tells it which requests are active (:meth:`Backend.acquire` / :meth:`Backend.release`) and
-hands it, once per step, every row that needs a forward (:meth:`Backend.forward`): the tokens a
-request has not fed yet and the position of the first. Positions are data: a request that
-backtracked simply feeds from an earlier position again; the backend never learns why.
-
-A backend over a paged cache (:class:`~engine.model.hf.HuggingFaceBackend`) offers three more
-methods the step loop uses when present: ``reserve(request_id, tokens) -> bool`` (admission by
-tokens: False means wait), ``reuse_prefix(request_id, prompt, plan)`` (the prefix cache: the
-reused length and the internals a forward of it would have captured, or None) and
-``cache_stats()`` (blocks used and free, hit rate). A backend without them admits by ``max_batch``
-alone and never reuses a prefix.
+A backend holds the model, its tokenizer and the tensors of a paged KV cache, and nothing about
+requests or blocks: which request holds which block, what is reserved, which prefix is cached and
+what is evicted are the scheduler's (:mod:`engine.core.kv_manager`). Once per step the scheduler
+hands it a :class:`ForwardBatch` — every row to feed (the tokens a request has not fed yet, the
+position of the first, the request's block table, what to capture, whether its payload needs the
+logits' top log-probs) plus the pool's size and the block copies to make first — and
+:meth:`Backend.execute` runs it and returns a :class:`ForwardOutput`. Positions are data: a
+request that backtracked simply feeds from an earlier position again; the runner never learns why.
 
 Shapes (``d`` hidden size, ``V`` logits width, ``q`` tokens fed, ``kv`` the request's context):
 :class:`RowOutput` logits ``(V,)`` float32 for the position after the last fed token;
@@ -28,7 +24,8 @@ import torch
 from engine.config import BackendConfig
 from engine.model.capture import CapturePlan, RowCapture
 
-__all__ = ["Backend", "ModelInfo", "ForwardRow", "RowOutput", "ForwardRecord", "FORWARD_TOP_K", "top_logprobs"]
+__all__ = ["Backend", "ModelInfo", "KVLayout", "ForwardRow", "ForwardBatch", "ForwardOutput", "RowOutput",
+           "ForwardRecord", "FORWARD_TOP_K", "top_logprobs"]
 
 # Every forward's most likely next tokens, which observability payloads record per ForwardPass.
 # Computed once for the whole batch (inside the replayed graph on a GPU): per request, a
@@ -59,9 +56,24 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class KVLayout:
+    """The runner's paged KV pool as the scheduler's KV manager sees it: ``block_size``
+    positions per block, ``blocks`` allocated now (block 0, the scratch block, included), at most
+    ``max_blocks`` (a static pool, which CUDA graphs need at fixed addresses, starts whole), and
+    ``block_bytes`` of keys and values per block over every layer."""
+
+    block_size: int
+    blocks: int
+    max_blocks: int
+    block_bytes: int
+
+
+@dataclass(frozen=True)
 class ForwardRow:
     """One request's part of a step's forward: feed ``tokens`` at positions ``start, start+1, …``
-    (the keys/values before ``start`` are already in the request's slot)."""
+    (the keys/values before ``start`` are already in the request's blocks). ``table``: the
+    request's block table, covering every position up to ``start + len(tokens)``; ``top``: the
+    logits' top log-probs are wanted (the request's payload records them)."""
 
     request_id: str
     start: int
@@ -69,13 +81,49 @@ class ForwardRow:
     plan: CapturePlan = CapturePlan()
     steer: Any = None  # (d,) added to this row's residual stream after ``steer_layer`` (SAE steering)
     steer_layer: int | None = None
+    table: Sequence[int] = ()
+    top: bool = True
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What one step runs: ``rows`` (each request at most once), the blocks the pool must hold
+    first (``num_blocks``; it only grows) and the copy-on-write copies ``(source block, destination
+    block, positions)`` to make before anything is written."""
+
+    rows: tuple[ForwardRow, ...]
+    num_blocks: int = 0
+    copies: tuple[tuple[int, int, int], ...] = ()
+
+    def only(self, index: int) -> "ForwardBatch":
+        """Row ``index`` alone (the pool and copies already seen to): to find the row at fault
+        when a whole batch's forward fails."""
+        return ForwardBatch((self.rows[index],), self.num_blocks)
 
 
 @dataclass(frozen=True)
 class RowOutput:
     logits: Any  # (V,) float32, on device
     captured: RowCapture
-    top: tuple[Any, Any]  # the logits' FORWARD_TOP_K log-probs (k,) and ids (k,), on device (top_logprobs)
+    top: tuple[Any, Any] | None  # the logits' FORWARD_TOP_K log-probs (k,) and ids (k,), on device; None if not asked
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """A batch's outputs in row order: ``logits (B, V)`` float32; ``top`` the ``(B, k)`` top
+    log-probs and ids (rows that did not ask may hold anything; None when no row asked);
+    ``captured`` each row's own internals."""
+
+    logits: Any
+    top: tuple[Any, Any] | None
+    captured: tuple[RowCapture, ...]
+
+    def rows(self) -> list[RowOutput]:
+        top = self.top
+        if top is None:
+            return [RowOutput(self.logits[b], c, None) for b, c in enumerate(self.captured)]
+        values, ids = top
+        return [RowOutput(self.logits[b], c, (values[b], ids[b])) for b, c in enumerate(self.captured)]
 
 
 @dataclass(frozen=True)
@@ -106,7 +154,7 @@ class Backend(Protocol):
 
     @property
     def max_batch(self) -> int:
-        """How many requests can hold a slot at once."""
+        """How many requests one step may run."""
         ...
 
     @property
@@ -114,14 +162,14 @@ class Backend(Protocol):
         """The most positions one request may use (prompt + generated)."""
         ...
 
-    def acquire(self, request_id: str) -> None:
-        """Give ``request_id`` room in the KV cache (the caller keeps at most ``max_batch`` active)."""
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The paged pool the scheduler's KV manager hands out blocks of."""
         ...
 
-    def release(self, request_id: str) -> None: ...
-
-    def forward(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
-        """One step's forwards for ``rows`` (each request at most once), outputs in row order."""
+    def execute(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step's forward: grow the pool to ``batch.num_blocks``, make ``batch.copies``,
+        then feed every row, writing its keys/values into its table's blocks."""
         ...
 
     def embed(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None, pool: str = "mean",

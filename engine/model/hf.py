@@ -4,8 +4,10 @@ Never ``model.generate``: mods intervene between every forward pass. The model i
 own cache view (:class:`~engine.model.kv_cache.BatchCacheView`), explicit ``position_ids`` and a
 ready 4-D boolean mask, so transformers builds neither a mask nor a cache of its own; its attention
 modules write each row's keys/values into that row's blocks. The internals rows ask for come from
-:mod:`engine.model.capture`; block tables, reservations and the prefix cache from
-:mod:`engine.model.kv_blocks`.
+:mod:`engine.model.capture`. It is a model runner: it holds the model and the KV pool's tensors and
+no request or block state — each step's :class:`~engine.model.backend.ForwardBatch` brings every
+row's block table, the pool's size and the copies to make (the scheduler's KV manager decides
+them, :mod:`engine.core.kv_manager`).
 
 A step's rows are grouped by how many tokens they feed: every one-token row (decode) shares one
 forward; a row feeding several tokens (a prefill, or a forced chunk) is a prefill-shaped forward of
@@ -15,14 +17,13 @@ its own. Shapes: ``ids (B, q)``, ``mask (B, 1, q, kv)``, logits ``(B, V)`` float
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Any, Sequence
 
 import torch
 
 from engine.config import BackendConfig
-from engine.errors import ContextOverflowError, InvalidRequestError, QueueFullError
-from engine.model.backend import ForwardRow, ModelInfo, RowOutput, top_logprobs
+from engine.errors import ContextOverflowError, InvalidRequestError
+from engine.model.backend import ForwardBatch, ForwardOutput, ForwardRow, KVLayout, ModelInfo, top_logprobs
 from engine.model.capture import (
     CAPTURE_KWARG,
     AttentionCapture,
@@ -36,7 +37,6 @@ from engine.model.capture import (
 from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
 from engine.model.hook_names import resid_post
-from engine.model.kv_blocks import KVBlocks
 from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
 from engine.model.taps import taps_of
@@ -47,8 +47,6 @@ __all__ = ["HuggingFaceBackend"]
 class HuggingFaceBackend:
     def __init__(self, config: BackendConfig | None = None) -> None:
         self.model: Any = None
-        self.blocks: KVBlocks | None = None
-        self._lock = threading.Lock()
         if config is not None:
             self.load_model(config.model_id, config)
 
@@ -91,8 +89,7 @@ class HuggingFaceBackend:
         self.cache = PagedKVCache(num_layers=self.info.num_layers, kv_heads=self.info.num_key_value_heads,
                                   head_dim=head_dim, block_size=bs, blocks=blocks, max_blocks=max_blocks,
                                   dtype=self.dtype, device=self.device)
-        rows_mb = config.prefix_cache_rows_mb
-        self.blocks = KVBlocks(self.cache, rows_budget=None if rows_mb is None else rows_mb * 2**20)
+        self._kv_layout = KVLayout(bs, self.cache.num_blocks, max_blocks, self.cache.block_nbytes())
         self._graphs: dict[GraphKey, StaticDecode] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_capture else None
         self.graph_stats = {"static_steps": 0, "eager_steps": 0, "graphs": 0}
@@ -125,77 +122,54 @@ class HuggingFaceBackend:
     def max_sequence(self) -> int:
         return self._max_sequence
 
-    # ------------------------------------------------------------------------------------ blocks
-
-    def acquire(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self.blocks:
-                raise InvalidRequestError(f"request {request_id!r} already holds a block table",
-                                          parameter="request_id", value=request_id)
-            if len(self.blocks) >= self.max_batch:
-                raise QueueFullError(f"all {self.max_batch} batch places are taken; wait for a request to finish")
-            self.blocks.add(request_id)
-
-    def release(self, request_id: str) -> None:
-        """Free the request's blocks (cached prefix blocks stay indexed until evicted)."""
-        with self._lock:
-            self.blocks.remove(request_id)
-
-    def reserve(self, request_id: str, tokens: int) -> bool:
-        """Reserve KV blocks for ``tokens`` positions of the request; False: the pool's
-        reservations are full, the request must wait (:mod:`engine.model.kv_blocks`)."""
-        with self._lock:
-            return self.blocks.reserve(request_id, tokens)
-
-    def reuse_prefix(self, request_id: str, prompt: Sequence[int], plan: CapturePlan) -> tuple[int, Any] | None:
-        """Before its first forward: the request starts from the longest cached prefix of
-        ``prompt`` whose captured internals cover ``plan`` (a prompt's prefill plan). Returns the
-        reused length and the :class:`~engine.model.capture.RowCapture` a forward of those tokens
-        would have given, or None; either way the request's full blocks are cached from now on."""
-        with self._lock:
-            return self.blocks.lookup(request_id, prompt, plan)
-
-    def cache_stats(self) -> dict[str, Any]:
-        """Blocks used and free, and the prefix cache's hit rate (tokens reused / prompt tokens)."""
-        with self._lock:
-            return self.blocks.as_dict()
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._kv_layout
 
     # ----------------------------------------------------------------------------------- forward
 
-    def forward(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
-        """Decode rows (one token each) share one forward — a replayed graph when they fit one;
-        every prefill-shaped row (a prompt, a forced chunk) shares another, left-padded."""
-        outputs: list[RowOutput | None] = [None] * len(rows)
+    def execute(self, batch: ForwardBatch) -> ForwardOutput:
+        """Grow the pool and make the batch's copies, then run its rows: decode rows (one token
+        each) share one forward — a replayed graph when they fit one; every prefill-shaped row (a
+        prompt, a forced chunk) shares another, left-padded. Outputs in row order."""
+        rows = batch.rows
         for row in rows:
             if not row.tokens:
                 raise InvalidRequestError(f"request {row.request_id!r} has no token to feed", parameter="tokens")
-        for single in (True, False):
-            group = [i for i, r in enumerate(rows) if (len(r.tokens) == 1) == single]
-            if group:
-                for i, out in zip(group, self._run([rows[i] for i in group])):
-                    outputs[i] = out
-        return outputs  # type: ignore[return-value]
-
-    def _tables(self, rows: Sequence[ForwardRow]) -> list[list[int]]:
-        """Each row's block table, with blocks for the positions it feeds (positions from its
-        start on are forgotten first: a Backtrack is a position move)."""
-        tables = []
-        for row in rows:
-            if row.request_id not in self.blocks:
-                raise InvalidRequestError(f"request {row.request_id!r} holds no block table", parameter="request_id",
-                                          value=row.request_id)
-            tables.append(list(self.blocks.prepare(row.request_id, row.start, len(row.tokens))))
-        return tables
-
-    def _record(self, rows: Sequence[ForwardRow], outputs: Sequence[RowOutput]) -> None:
-        for row, out in zip(rows, outputs):
-            self.blocks.record(row.request_id, row.start, row.tokens, out.captured, row.steer is not None)
+            if len(row.table) * self.cache.block_size < row.start + len(row.tokens):
+                raise InvalidRequestError(f"request {row.request_id!r}'s block table must cover position "
+                                          f"{row.start + len(row.tokens) - 1}, got {len(row.table)} blocks",
+                                          parameter="table", value=len(row.table))
+        if batch.num_blocks > self.cache.num_blocks:
+            self.cache.grow(batch.num_blocks)
+        for source, destination, length in batch.copies:
+            self.cache.copy_block(source, destination, length)
+        groups = [[i for i, r in enumerate(rows) if (len(r.tokens) == 1) == single] for single in (True, False)]
+        groups = [g for g in groups if g]
+        outs = [self._run([rows[i] for i in group]) for group in groups]
+        if len(outs) == 1:
+            return outs[0]
+        order = [i for group in groups for i in group]
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        inverse = inverse.to(self.device)
+        logits = torch.cat([o.logits for o in outs]).index_select(0, inverse)
+        top = None
+        if any(o.top is not None for o in outs):
+            parts = [o.top if o.top is not None else top_logprobs(o.logits) for o in outs]
+            top = (torch.cat([p[0] for p in parts]).index_select(0, inverse),
+                   torch.cat([p[1] for p in parts]).index_select(0, inverse))
+        joined = [c for o in outs for c in o.captured]  # in group order
+        captured: list[Any] = [None] * len(order)
+        for position, i in enumerate(order):
+            captured[i] = joined[position]
+        return ForwardOutput(logits, top, tuple(captured))
 
     def _static_fits(self, rows: Sequence[ForwardRow]) -> bool:
         """One-token rows, no steering: the static/graph decode path."""
         return self._static_decode and len(rows[0].tokens) == 1 and all(r.steer is None for r in rows)
 
-    def _run_static(self, rows: Sequence[ForwardRow], tables: list[list[int]]) -> list[RowOutput]:
+    def _run_static(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
         plans = [r.plan for r in rows]
         hidden_layers = tuple(sorted({layer for p in plans for layer in p.hidden_layers}))
         attention_layers = tuple(sorted({layer for p in plans for layer in p.attention_layers}))
@@ -207,44 +181,31 @@ class HuggingFaceBackend:
             decode = self._graphs[key] = StaticDecode(self.model, self.cache, key, capture=self._graph_capture,
                                                       pool=self._graph_pool, compile=self._compile_decode)
             self.graph_stats["graphs"] = len(self._graphs)
-        out = decode.run([r.tokens[0] for r in rows], starts, tables)
+        out = decode.run([r.tokens[0] for r in rows], starts, [r.table for r in rows])
         self.graph_stats["static_steps"] += 1
-        outputs = []
-        values, indices = out.top
-        for b, row in enumerate(rows):
-            end = row.start + 1
-            plan = row.plan
-            captured = RowCapture({layer: out.hidden[layer][b:b + 1] for layer in plan.hidden_layers},  # (1, d)
-                                  {layer: out.patterns[layer][b][:, :, :end]  # (h, 1, kv)
-                                   for layer in plan.attention_layers})
-            outputs.append(RowOutput(out.logits[b], captured, (values[b], indices[b])))
-        return outputs
+        captured = tuple(RowCapture({layer: out.hidden[layer][b:b + 1] for layer in row.plan.hidden_layers},  # (1, d)
+                                    {layer: out.patterns[layer][b][:, :, :row.start + 1]  # (h, 1, kv)
+                                     for layer in row.plan.attention_layers})
+                         for b, row in enumerate(rows))
+        return ForwardOutput(out.logits[:len(rows)], tuple(t[:len(rows)] for t in out.top), captured)
 
-    def _run(self, rows: Sequence[ForwardRow]) -> list[RowOutput]:
+    def _run(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
         """One forward of ``rows`` (each ``q_b`` tokens, left-padded to the longest)."""
-        lengths = [len(r.tokens) for r in rows]
-        starts = [r.start for r in rows]
-        end = max(s + n for s, n in zip(starts, lengths))
+        end = max(r.start + len(r.tokens) for r in rows)
         if end > self._max_sequence:
             raise ContextOverflowError(f"a request must fit {self._max_sequence} positions, needs {end}",
                                        parameter="max_sequence", value=end)
-        with self._lock:
-            tables = self._tables(rows)
         if self._static_fits(rows):
             with torch.inference_mode():
-                outputs = self._run_static(rows, tables)
-        else:
-            outputs = self._run_eager(rows, tables)
-        with self._lock:
-            self._record(rows, outputs)
-        return outputs
+                return self._run_static(rows)
+        return self._run_eager(rows)
 
-    def _run_eager(self, rows: Sequence[ForwardRow], tables: list[list[int]]) -> list[RowOutput]:
+    def _run_eager(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
         lengths = [len(r.tokens) for r in rows]
         starts = [r.start for r in rows]
         self.graph_stats["eager_steps"] += 1
         q = max(lengths)
-        view, positions = BatchCacheView.build(self.cache, tables, starts, lengths)  # positions (B, q)
+        view, positions = BatchCacheView.build(self.cache, [r.table for r in rows], starts, lengths)  # (B, q)
         ids = torch.tensor([[0] * (q - len(r.tokens)) + list(r.tokens) for r in rows], dtype=torch.long,
                            device=self.device)  # (B, q)
         key_pos = torch.arange(view.kv_len, device=self.device)
@@ -261,11 +222,11 @@ class HuggingFaceBackend:
         with torch.inference_mode(), self._steering(rows):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
                              logits_to_keep=1, **cache_argument(self.model, view), **kwargs)
-        logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
-        values, indices = top_logprobs(logits)
+            logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
+            top = top_logprobs(logits) if any(r.top for r in rows) else None
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
         captured = split_rows(out, plans, capture, hidden_index, [s + n for s, n in zip(starts, lengths)], lengths)
-        return [RowOutput(logits[b], captured[b], (values[b], indices[b])) for b in range(len(rows))]
+        return ForwardOutput(logits, top, tuple(captured))
 
     @contextlib.contextmanager
     def _steering(self, rows: Sequence[ForwardRow]):
@@ -301,6 +262,4 @@ class HuggingFaceBackend:
         return capture(self._taps, input_ids, names, out=out, model_id=self.info.model_id)
 
     def shutdown(self) -> None:
-        if self.blocks is not None:
-            self.blocks.clear()
         self.model = self._taps = None

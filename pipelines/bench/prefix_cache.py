@@ -64,9 +64,9 @@ def measure_prefix_ttft(engine: Any, *, prefix_tokens: int = 1000, suffix_tokens
         second = prefix + _ids(engine.tokenizer, suffix_tokens, salt="Question two:")
         t_cold, cold_result = _ttft(engine, second, 4, cache=False)
         _ttft(engine, first, 4, cache=True)  # the earlier request: computes and caches the prefix
-        hits = engine.backend.cache_stats()["hit_tokens"]
+        hits = engine.cache_stats()["hit_tokens"]
         t_warm, warm_result = _ttft(engine, second, 4, cache=True)
-        reused.append(engine.backend.cache_stats()["hit_tokens"] - hits)
+        reused.append(engine.cache_stats()["hit_tokens"] - hits)
         if warm_result.sequence_ids != cold_result.sequence_ids:
             raise AssertionError("a prefix-cache hit changed the greedy tokens")
         cold.append(t_cold)
@@ -121,9 +121,9 @@ def measure_shared_system_prompt(engine: Any, *, requests: int = 32, system_toke
         batch = _chat_prompts(tok, _ids(tok, system_tokens, salt=salt), requests)
         if warm:
             engine.generate(input_ids=batch[0][:system_tokens] + [batch[0][-1]], max_tokens=1, temperature=0.0)
-        hits = engine.backend.cache_stats()["hit_tokens"]
+        hits = engine.cache_stats()["hit_tokens"]
         row = _chat_run(engine, batch, new_tokens, cache)
-        row["reused_tokens"] = engine.backend.cache_stats()["hit_tokens"] - hits
+        row["reused_tokens"] = engine.cache_stats()["hit_tokens"] - hits
         row["prompt_tokens"] = sum(len(p) for p in batch)
         rows[name] = row
         progress(f"{requests} chats, cache {name}: {row['tokens_per_s']:.1f} tok/s, median TTFT "
@@ -206,7 +206,7 @@ def run_prefix_bench(config_path: Any, *, prefix_tokens: int = 1000, requests: i
         report["ttft"] = measure_prefix_ttft(engine, prefix_tokens=prefix_tokens, repeats=repeats, progress=progress)
         report["shared_system_prompt"] = measure_shared_system_prompt(
             engine, requests=requests, system_tokens=system_tokens, new_tokens=new_tokens, progress=progress)
-        report["cache_stats"] = engine.backend.cache_stats()
+        report["cache_stats"] = engine.cache_stats()
         if vllm_python:
             report["vllm_cpu"] = measure_vllm_peer(engine, vllm_python, prefix_tokens=prefix_tokens,
                                                    requests=requests, system_tokens=system_tokens,

@@ -96,7 +96,7 @@ def test_hidden_states_equal_the_full_forward_reference_and_layer16_differs_from
     ids = engine.encode(PROMPT)
     backend = engine.backend
     layer = engine.config.backend.hidden_state_layer
-    out = forward_prompt(backend, ids, [f"blocks.{layer}.hook_resid_post", "blocks.0.hook_resid_post"])
+    out = forward_prompt(engine, ids, [f"blocks.{layer}.hook_resid_post", "blocks.0.hook_resid_post"])
     layer0 = out.captured.hidden[0]
     with torch.inference_mode():
         ref = backend.reference_model(torch.tensor([ids]), output_hidden_states=True).hidden_states
@@ -152,20 +152,32 @@ def test_attention_hook_leaves_nothing_behind(engine):
 def test_moving_a_slot_position_back_regenerates_identical_logits(engine):
     """Backtrack is a position move: re-feeding from an earlier position overwrites the stale
     keys/values (masked meanwhile) and reproduces the logits of the first pass."""
-    from engine.model.backend import ForwardRow
+    from engine.model.backend import ForwardBatch, ForwardRow
 
-    backend = engine.backend
     ids = engine.encode(PROMPT)
-    backend.acquire("rw")
-    try:
-        first = backend.forward([ForwardRow("rw", 0, tuple(ids))])[0].logits.clone()
-        for i, token in enumerate((504, 3575, 282)):
-            later = backend.forward([ForwardRow("rw", len(ids) + i, (token,))])[0].logits
-            assert (later - first).abs().max() > 1e-3  # positive control: new tokens change the logits
-        again = backend.forward([ForwardRow("rw", len(ids) - 1, (ids[-1],))])[0].logits
-        torch.testing.assert_close(again, first, atol=FP32_NOISE_TOL, rtol=0)
-    finally:
-        backend.release("rw")
+
+    def moves(loop):  # on the loop's thread, with blocks from its KV manager, as the scheduler feeds
+        kv, runner = loop.scheduler.kv, loop.runner
+
+        def feed(start, tokens):
+            table = kv.prepare("rw", start, len(tokens))
+            batch = ForwardBatch((ForwardRow("rw", start, tuple(tokens), table=table),), kv.num_blocks, kv.take_copies())
+            out = runner.execute(batch).rows()[0]
+            kv.record("rw", start, tokens, out.captured, False)
+            return out.logits.clone()
+
+        kv.add("rw")
+        try:
+            first = feed(0, ids)
+            for i, token in enumerate((504, 3575, 282)):
+                later = feed(len(ids) + i, [token])
+                assert (later - first).abs().max() > 1e-3  # positive control: new tokens change the logits
+            return first, feed(len(ids) - 1, [ids[-1]])
+        finally:
+            kv.remove("rw")
+
+    first, again = engine.loop.call(moves, timeout=600)
+    torch.testing.assert_close(again, first, atol=FP32_NOISE_TOL, rtol=0)
 
 
 def test_backtrack_without_reinjection_regenerates_the_same_greedy_text(engine):

@@ -43,7 +43,7 @@ def eng():
 
 
 def _hits(e) -> int:
-    return e.backend.cache_stats()["hit_tokens"]
+    return e.cache_stats()["hit_tokens"]
 
 
 def _close(a, b, what):
@@ -93,16 +93,16 @@ def _same_results(on, off):
 
 
 def _idle_blocks(e) -> int:
-    return e.backend.cache_stats()["blocks_used"]
+    return e.cache_stats()["blocks_used"]
 
 
 def test_a_shared_system_prompt_is_reused_and_everything_downstream_is_unchanged(eng):
     question = "Why do leaves change colour in autumn?"
-    cached = eng.backend.cache_stats()["blocks_cached"]
+    cached = eng.cache_stats()["blocks_cached"]
     off = eng.generate(messages=_chat(question), max_tokens=NEW_TOKENS, temperature=0.0, prefix_cache=False)
-    assert eng.backend.cache_stats()["blocks_cached"] == cached, "a request with the cache off offered blocks"
+    assert eng.cache_stats()["blocks_cached"] == cached, "a request with the cache off offered blocks"
     other = eng.generate(messages=_chat("What is a lever?"), max_tokens=2, temperature=0.0)  # caches the system prompt
-    assert eng.backend.cache_stats()["blocks_cached"] > cached
+    assert eng.cache_stats()["blocks_cached"] > cached
     with pytest.raises(AssertionError):  # positive control: the comparison tells other requests apart
         _same_results(other, off)
     hits, fed = _hits(eng), eng.loop.stats.tokens_fed
@@ -247,13 +247,13 @@ def test_a_request_arriving_while_the_prefix_is_prefilled_reuses_the_blocks_done
     first_off = chunked.generate(input_ids=first_ids, **run, prefix_cache=False)
     second_off = chunked.generate(input_ids=second_ids, **run, prefix_cache=False)
 
-    cached_before = chunked.backend.cache_stats()["blocks_cached"]
+    cached_before = chunked.cache_stats()["blocks_cached"]
     handles: dict[str, object] = {}
     submitted, first_prefilled = threading.Event(), threading.Event()
     arrived_mid_prefill: list[bool] = []
 
     def on_neighbour_event(event):  # on the loop thread, once per neighbour step
-        blocks = chunked.backend.cache_stats()["blocks_cached"] - cached_before
+        blocks = chunked.cache_stats()["blocks_cached"] - cached_before
         if isinstance(event, ForwardPass) and blocks >= 3 and not submitted.is_set():
             arrived_mid_prefill.append(not first_prefilled.is_set())
             handles["second"] = chunked.submit(input_ids=second_ids, **run, block=False)
@@ -306,7 +306,7 @@ def test_a_small_pool_admits_by_reserved_tokens_evicts_cached_blocks_and_keeps_e
     with small_pool.loop.admission_held():  # all at once: more than the pool's reservations hold
         handles = [small_pool.submit(messages=m, **run) for m in requests]
     on = [h.result(timeout=900) for h in handles]
-    stats = small_pool.backend.cache_stats()
+    stats = small_pool.cache_stats()
     assert small_pool.loop.stats.waits_for_blocks > waits, "no request waited for blocks"
     assert small_pool.loop.stats.max_active < 4, "the batch was not limited by the tokens in use"
     assert stats["evictions"] > 0, "the small pool never evicted a cached block"
@@ -352,12 +352,12 @@ def test_the_cached_rows_stay_within_their_budget_and_a_hit_after_evictions_is_s
     from engine import Engine
 
     with Engine(build_config(prefix_cache_rows_mb=1, max_batch=2)) as e:
-        budget = e.backend.cache_stats()["cached_rows_budget_bytes"]
+        budget = e.cache_stats()["cached_rows_budget_bytes"]
         assert budget == 2**20
         systems = [SYSTEM + " " + SYSTEM.replace("tutor", role) for role in ("coach", "librarian", "pilot")]
         for system in systems:
             e.generate(messages=_chat("What is a magnet?", system), max_tokens=2, temperature=0.0)
-            stats = e.backend.cache_stats()
+            stats = e.cache_stats()
             assert 0 < stats["cached_rows_bytes"] <= budget, stats
         assert stats["evictions"] > 0, "three prompts' rows fit one MiB: make them longer"
         hits = _hits(e)
@@ -366,4 +366,4 @@ def test_the_cached_rows_stay_within_their_budget_and_a_hit_after_evictions_is_s
         off = e.generate(messages=_chat("Why is the sea salty?", systems[-1]), max_tokens=NEW_TOKENS, temperature=0.0,
                          prefix_cache=False)
         _same_results(on, off)
-        assert e.backend.cache_stats()["cached_rows_bytes"] <= budget
+        assert e.cache_stats()["cached_rows_bytes"] <= budget

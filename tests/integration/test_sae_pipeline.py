@@ -33,7 +33,7 @@ def test_the_committed_sae_fits_the_embedded_model_and_reconstructs_it(engine):
     assert report["heldout"]["explained_variance"] > 0.75 and report["heldout"]["dead_fraction"] < 0.05
     # a fresh positive control on text the SAE never saw: it explains most of the variance
     ids = engine.encode("The lighthouse keeper found a bottle with a letter inside.")
-    hidden = forward_prompt(engine.backend, ids, ["blocks.16.hook_resid_post"]).captured.hidden[16][1:]
+    hidden = forward_prompt(engine, ids, ["blocks.16.hook_resid_post"]).captured.hidden[16][1:]
     with torch.no_grad():
         recon = encoder.sae.decode(encoder.sae.encode(hidden))
     ev = 1 - ((hidden - recon) ** 2).sum() / ((hidden - hidden.mean(0)) ** 2).sum()

@@ -138,12 +138,12 @@ def test_unenforceable_schema_is_a_400_naming_the_keyword(client, model_id):
 def test_prefix_cache_flag_is_taken_and_checked(client, model_id, engine):
     import openai
 
-    before = engine.backend.cache_stats()["prompt_tokens"]
+    before = engine.cache_stats()["prompt_tokens"]
     off = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=4, temperature=0,
                                          extra_body={"prefix_cache": False})
-    assert engine.backend.cache_stats()["prompt_tokens"] == before  # it did not look the prefix up
+    assert engine.cache_stats()["prompt_tokens"] == before  # it did not look the prefix up
     on = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=4, temperature=0)
-    assert engine.backend.cache_stats()["prompt_tokens"] > before  # control: the default looks it up
+    assert engine.cache_stats()["prompt_tokens"] > before  # control: the default looks it up
     assert off.choices[0].message.content == on.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="prefix_cache"):
         client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=4,

@@ -131,10 +131,10 @@ def test_last_layer_resid_post_has_two_meanings_step_after_the_final_norm(both, 
     ids, ours, theirs = both
     last = engine.backend.info.num_layers - 1
     name = f"blocks.{last}.hook_resid_post"
-    step = forward_prompt(engine.backend, ids, [name]).captured.hidden[last]  # (T, d), every position
+    step = forward_prompt(engine, ids, [name]).captured.hidden[last]  # (T, d), every position
     assert _relative_worst(ours[name], theirs[name]) <= PARITY_RTOL
     assert _relative_worst(step, ours["ln_final.hook_weighted"]) <= PARITY_RTOL
     assert _relative_worst(step, ours[name]) > 0.1, "the two meanings must differ for this test to mean anything"
     middle = f"blocks.{last // 2}.hook_resid_post"  # below the top, both paths read the same tensor
-    step_middle = forward_prompt(engine.backend, ids, [middle]).captured.hidden[last // 2]
+    step_middle = forward_prompt(engine, ids, [middle]).captured.hidden[last // 2]
     assert _relative_worst(step_middle, theirs[middle]) <= PARITY_RTOL

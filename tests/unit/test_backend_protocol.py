@@ -19,12 +19,23 @@ def _members(cls) -> set[str]:
 
 def test_the_protocol_declares_what_the_engine_calls_and_the_hf_backend_has_it():
     declared = _members(Backend)
-    assert {"device", "embed", "capture", "reference_model", "forward", "acquire", "release"} <= declared
+    assert {"device", "embed", "capture", "reference_model", "execute", "kv_layout"} <= declared
     methods = {name for name in declared if callable(getattr(Backend, name, None))
                or isinstance(getattr(Backend, name, None), property)}
     missing = {name for name in methods if not hasattr(HuggingFaceBackend, name)}
     assert not missing, f"HuggingFaceBackend lacks {sorted(missing)}"
     assert isinstance(inspect.getattr_static(HuggingFaceBackend, "reference_model"), property)
+
+
+def test_the_runner_has_no_door_for_request_or_block_state():
+    """Which request holds which block, reservations and the prefix index are the scheduler's KV
+    manager's (engine/core/kv_manager.py): neither the protocol nor the HF runner offers them."""
+    bookkeeping = {"acquire", "release", "reserve", "reuse_prefix", "cache_stats", "forward", "blocks"}
+    assert not bookkeeping & _members(Backend)
+    assert not bookkeeping & {name for name in dir(HuggingFaceBackend) if not name.startswith("_")}
+    for path in sorted((REPO / "engine" / "model").rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        assert "engine.core" not in source.replace("`engine.core", ""), f"{path.name} imports the core"
 
 
 def _backend_model_reads(source: str) -> list[int]:

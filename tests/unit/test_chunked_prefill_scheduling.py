@@ -18,7 +18,7 @@ import torch
 
 from engine.core.machine import join_chunks
 from engine.core.result import FinishReason
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import plan_tokens
 from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import CapturePlan, RowCapture, attention_pattern
 from mods import Prefilled
@@ -28,27 +28,18 @@ TOK = CharTokenizer()
 LONG = "Please summarise the following long document carefully."  # 55 characters
 
 
-@dataclass
-class _Row:
-    """What the scheduler reads of a request (its Schedulable protocol)."""
-
-    decoding: bool
-    pending_tokens: int
-
-
 def test_decoding_rows_take_one_token_each_first_and_prompt_chunks_fill_the_rest():
-    scheduler = Scheduler(max_batch=4, max_step_tokens=10)
-    running = [_Row(False, 50), _Row(True, 1), _Row(False, 7), _Row(True, 1), _Row(True, 0)]
+    # (decoding, tokens it has to feed) per running request
+    running = [(False, 50), (True, 1), (False, 7), (True, 1), (True, 0)]
     # two decoding rows reserve 2 tokens; the first prompt takes the other 8, the second waits
-    assert scheduler.schedule(running) == [(1, 1), (3, 1), (0, 8)]
-    running = [_Row(False, 3), _Row(True, 1), _Row(False, 4), _Row(False, 9)]
-    assert scheduler.schedule(running) == [(1, 1), (0, 3), (2, 4), (3, 2)]  # 10 in all
+    assert plan_tokens(running, 10) == [(1, 1), (3, 1), (0, 8)]
+    running = [(False, 3), (True, 1), (False, 4), (False, 9)]
+    assert plan_tokens(running, 10) == [(1, 1), (0, 3), (2, 4), (3, 2)]  # 10 in all
 
 
 def test_a_decoding_row_with_several_tokens_to_feed_takes_what_the_reservations_leave():
-    scheduler = Scheduler(max_batch=4, max_step_tokens=6)
-    running = [_Row(True, 9), _Row(True, 1), _Row(True, 1), _Row(False, 5)]
-    plan = scheduler.schedule(running)
+    running = [(True, 9), (True, 1), (True, 1), (False, 5)]
+    plan = plan_tokens(running, 6)
     assert plan == [(0, 4), (1, 1), (2, 1)]  # every decoding row fed; nothing left for the prompt
     assert sum(n for _, n in plan) == 6
 
@@ -61,7 +52,11 @@ def test_a_budget_below_max_batch_is_refused_with_the_fix():
         BackendConfig(model_id="m", max_batch=8, max_step_tokens=4)
     assert BackendConfig(model_id="m", max_batch=8, max_step_tokens=8).max_step_tokens == 8
     with pytest.raises(ValueError, match="max_step_tokens"):
-        Scheduler(max_batch=8, max_step_tokens=4)
+        from engine.core.kv_manager import KVManager
+        from engine.core.scheduler import Scheduler
+        from engine.model.backend import KVLayout
+
+        Scheduler(KVManager(KVLayout(16, 4, 4, 0)), max_batch=8, max_step_tokens=4, max_sequence=64)
 
 
 def test_joined_chunks_equal_one_forward_of_the_whole_prompt():
@@ -106,9 +101,10 @@ class ChunkingBackend(ScriptedBackend):
         self.forwards: list[list[tuple[str, int, int]]] = []  # per forward: (request, start, tokens)
         self.pause_on, self.paused, self.resume = pause_on, threading.Event(), threading.Event()
 
-    def acquire(self, request_id: str) -> None:
-        super().acquire(request_id)
-        self.sequences[request_id]["declared"] = self.prompt_lens[request_id]
+    def _sequence_of(self, row):
+        seq = super()._sequence_of(row)
+        seq["declared"] = self.prompt_lens[row.request_id]
+        return seq
 
     def _feed(self, seq: dict[str, Any], start: int, tokens: Any) -> None:
         super()._feed(seq, start, tokens)
@@ -119,12 +115,13 @@ class ChunkingBackend(ScriptedBackend):
             return torch.zeros(self.info.vocab_size)
         return super()._logits(seq)
 
-    def forward(self, rows):
+    def execute(self, batch):
+        rows = batch.rows
         self.forwards.append([(r.request_id, r.start, len(r.tokens)) for r in rows])
         if self.pause_on is not None and any(r.request_id == self.pause_on for r in rows) and not self.paused.is_set():
             self.paused.set()
             assert self.resume.wait(60), "the test never resumed the forward"
-        return super().forward(rows)
+        return super().execute(batch)
 
 
 def _engine(backend):
@@ -179,6 +176,7 @@ def test_a_request_cancelled_mid_prefill_leaves_at_the_next_step_and_frees_its_s
         long.cancel()
         backend.resume.set()
         long_result, next_result = long.result(timeout=60), waiting.result(timeout=60)
+        eng_blocks_used = eng.cache_stats()["blocks_used"]
     finally:
         backend.resume.set()
         eng.close()
@@ -187,8 +185,8 @@ def test_a_request_cancelled_mid_prefill_leaves_at_the_next_step_and_frees_its_s
     fed = [(start, n) for rows in backend.forwards for rid, start, n in rows if rid == "long"]
     assert fed == [(0, 4)], "the cancelled request was fed again after its cancel"
     assert len(LONG) > 4  # positive control: it needed more chunks than it got
-    assert "long" not in backend.sequences  # its slot was released ...
-    assert next_result.output_text == "hello world"  # ... and the queued request ran in it
+    assert next_result.output_text == "hello world"  # the queued request ran in its batch place ...
+    assert eng_blocks_used == 0  # ... and every block went back to the pool
 
 
 def test_forced_tokens_longer_than_the_budget_are_fed_over_several_steps_with_the_same_events():

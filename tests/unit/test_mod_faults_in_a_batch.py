@@ -78,10 +78,10 @@ def test_a_forward_that_fails_for_one_request_ends_that_request_and_the_batch_go
     class FailsForOne(ScriptedBackend):
         """Raises whenever a forward holds the row of request "bad" past its prompt."""
 
-        def forward(self, rows):
-            if any(r.request_id == "bad" and r.start > 0 for r in rows):
+        def execute(self, batch):
+            if any(r.request_id == "bad" and r.start > 0 for r in batch.rows):
                 raise RuntimeError("device fault on request bad")
-            return super().forward(rows)
+            return super().execute(batch)
 
     eng = Engine(RaylensConfig(generation=build_generation_cfg(temperature=0.0, max_tokens=32)),
                  backend=FailsForOne())

@@ -1,16 +1,19 @@
-"""The paged KV cache's bookkeeping without a model: block tables grow by blocks and shrink on a
-position move, reservations bound admission, shared blocks are copied before a write, cached
-blocks nobody holds are evicted least recently used first (when the pool needs their blocks, or
-their captured rows pass the rows budget), and a prefix is reused only when its blocks hold the
-internals the new request's plan asks for."""
+"""The scheduler's KV manager without a model: block tables grow by blocks and shrink on a position
+move, reservations bound admission, shared blocks are copied before a write, cached blocks nobody
+holds are evicted least recently used first (when the pool needs their blocks, or their captured
+rows pass the rows budget), and a prefix is reused only when its blocks hold the internals the new
+request's plan asks for. The manager holds block ids only; :class:`_Pool` applies what it decides
+for the tensors (the pool's growth, copy-on-write copies) to a real :class:`PagedKVCache`, as the
+model runner does before each forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.core.kv_manager import KVManager
+from engine.model.backend import KVLayout
 from engine.model.capture import CapturePlan, RowCapture
-from engine.model.kv_blocks import KVBlocks
 from engine.model.kv_cache import BatchCacheView, PagedKVCache
 
 BS = 4
@@ -18,10 +21,27 @@ D, HEADS = 3, 2
 LAYER = 1
 
 
-def _blocks(max_blocks: int = 9, blocks: int = 3, rows_budget: int | None = None) -> KVBlocks:
+class _Pool(KVManager):
+    """The KV manager with the runner's side beside it: after each ``prepare`` the cache grows to
+    what the manager needs and makes its copies, as the runner does before the forward."""
+
+    def __init__(self, cache: PagedKVCache, rows_budget: int | None) -> None:
+        super().__init__(KVLayout(cache.block_size, cache.num_blocks, cache.max_blocks, cache.block_nbytes()),
+                         rows_budget=rows_budget)
+        self.cache = cache
+
+    def prepare(self, request_id: str, start: int, n: int) -> list[int]:
+        table = super().prepare(request_id, start, n)
+        self.cache.grow(self.num_blocks)
+        for source, destination, length in self.take_copies():
+            self.cache.copy_block(source, destination, length)
+        return table
+
+
+def _blocks(max_blocks: int = 9, blocks: int = 3, rows_budget: int | None = None) -> _Pool:
     cache = PagedKVCache(num_layers=2, kv_heads=1, head_dim=2, block_size=BS, blocks=blocks, max_blocks=max_blocks,
                          dtype=torch.float32, device=torch.device("cpu"))
-    return KVBlocks(cache, rows_budget=rows_budget)
+    return _Pool(cache, rows_budget)
 
 
 def _plan(attention: bool = True) -> CapturePlan:
@@ -37,13 +57,13 @@ def _captured(start: int, q: int, *, attention: bool = True, tag: float = 0.0) -
     return RowCapture({LAYER: hidden}, {LAYER: att} if attention else {})
 
 
-def _caching(kv: KVBlocks, rid: str) -> None:
+def _caching(kv: KVManager, rid: str) -> None:
     """A request that looked a prefix up (and found none): its full blocks are offered to the index."""
     kv.add(rid)
     assert kv.lookup(rid, [0], _plan()) is None
 
 
-def _feed(kv: KVBlocks, rid: str, start: int, tokens: list[int], **kw) -> RowCapture:
+def _feed(kv: KVManager, rid: str, start: int, tokens: list[int], **kw) -> RowCapture:
     kv.prepare(rid, start, len(tokens))
     captured = _captured(start, len(tokens), **kw)
     kv.record(rid, start, tokens, captured, steered=False)

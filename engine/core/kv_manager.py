@@ -1,10 +1,14 @@
-"""Each request's block table over the paged cache, its block reservation, and the prefix cache's
-two doors: :meth:`KVBlocks.lookup` (reuse the longest cached prefix) and the registration of
-every block a forward fills (:meth:`KVBlocks.record`).
+"""The scheduler's KV manager: each request's block table over the paged cache, its block
+reservation, the prefix cache's two doors — :meth:`KVManager.lookup` (reuse the longest cached
+prefix) and the registration of every block a forward fills (:meth:`KVManager.record`) — and
+eviction. It holds block ids only: the keys and values are the model runner's tensors
+(:class:`~engine.model.kv_cache.PagedKVCache`), and what this decides for them — the pool's size
+and the block copies of a copy-on-write — reaches the runner as data in each step's
+:class:`~engine.model.backend.ForwardBatch` (:meth:`take_copies`, :attr:`num_blocks`).
 
 Admission by tokens, not slots: a request reserves the blocks its whole possible sequence needs
 (``prompt + max_tokens``, at most ``max_sequence``) and is admitted while the reservations of
-every running request fit the pool (:meth:`KVBlocks.reserve`); a request that outgrows its
+every running request fit the pool (:meth:`KVManager.reserve`); a request that outgrows its
 reservation (forced tokens, an adjusted prefill) reserves more before it feeds, or waits. Because
 the reservations never exceed the pool, every allocation within them succeeds: blocks are taken
 from the free list, by growing the pool, or by evicting the least recently used cached block
@@ -12,8 +16,9 @@ nobody holds. Reservations count a shared prefix block once per request that hol
 saves compute and never makes admission unsafe.
 
 Writes never reach a block someone else reads: a request writing into a block that is shared
-(another table holds it) first copies it (copy-on-write); writing into a cached block it alone
-holds drops that block's index entry instead.
+(another table holds it) first gets a copy (copy-on-write: the runner copies it before the
+forward that writes); writing into a cached block it alone holds drops that block's index entry
+instead.
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.core.block_pool import BlockPool
+from engine.core.prefix_index import BlockRows, PrefixIndex, block_key, hit_capture
 from engine.errors import InvalidRequestError
+from engine.model.backend import KVLayout
 from engine.model.capture import CapturePlan, RowCapture
-from engine.model.kv_cache import PagedKVCache
-from engine.model.paging import BlockAllocator
-from engine.model.prefix_cache import BlockRows, PrefixIndex, block_key, hit_capture
 
-__all__ = ["KVBlocks", "PrefixStats"]
+__all__ = ["KVManager", "PrefixStats"]
 
 # per position: ({layer: hidden row (d,)}, {layer: attention row (heads, position + 1)})
 Rows = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]
@@ -58,24 +63,38 @@ class _Request:
     steered_from: int | None = None  # the first position fed under a steer (its KV and all after differ)
 
 
-class KVBlocks:
-    def __init__(self, cache: PagedKVCache, *, rows_budget: int | None = None) -> None:
-        """``rows_budget``: bytes the captured rows of cached blocks may take (None: no bound);
-        past it the least recently released cached blocks are evicted, and while every cached
-        block is held a new one is not indexed."""
-        self.cache = cache
+class KVManager:
+    def __init__(self, layout: KVLayout, *, rows_budget: int | None = None) -> None:
+        """``layout``: the runner's pool (block size, blocks now, the most it may grow to);
+        ``rows_budget``: bytes the captured rows of cached blocks may take (None: no bound); past
+        it the least recently released cached blocks are evicted, and while every cached block is
+        held a new one is not indexed."""
+        self.layout = layout
         self.rows_budget = rows_budget
-        self.block_size = cache.block_size
+        self.block_size = layout.block_size
         self.index = PrefixIndex()
-        self.allocator = BlockAllocator(num_blocks=cache.num_blocks, max_blocks=cache.max_blocks,
-                                        grow=self._grow, on_evict=self.index.evict)
+        self.allocator = BlockPool(num_blocks=layout.blocks, max_blocks=layout.max_blocks, grow=lambda n: n,
+                                   on_evict=self.index.evict)
         self.stats = PrefixStats()
         self._requests: dict[str, _Request] = {}
         self._reserved = 0  # blocks reserved by every request
+        self._copies: list[tuple[int, int, int]] = []  # (source, destination, positions) for the next forward
 
-    def _grow(self, blocks: int) -> int:
-        self.cache.grow(blocks)
-        return self.cache.num_blocks
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the pool must hold for the next forward (it grows by doubling as tables need)."""
+        return self.allocator.num_blocks
+
+    def take_copies(self) -> tuple[tuple[int, int, int], ...]:
+        """The copy-on-write copies ``(source block, destination block, positions)`` decided since
+        the last call; the runner makes them before the forward that writes the copies."""
+        copies, self._copies = tuple(self._copies), []
+        return copies
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Positions the whole pool can hold at its largest (what no single request may exceed)."""
+        return self.allocator.usable * self.block_size
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -170,7 +189,7 @@ class KVBlocks:
             block = request.table[i]
             if allocator.refs[block] > 1:  # another table reads it: write into a copy
                 copy = allocator.allocate()
-                self.cache.copy_block(block, copy, start % bs)
+                self._copies.append((block, copy, start % bs))  # made before the forward writes into it
                 allocator.release(block)
                 request.table[i] = copy
             elif allocator.is_shared(block):  # cached, held by this request alone
@@ -249,7 +268,7 @@ class KVBlocks:
             "hit_rate": self.stats.hit_rate,
             "cached_rows_bytes": self.index.rows_bytes,
             "cached_rows_budget_bytes": self.rows_budget,
-            "kv_bytes": self.cache.nbytes(),
+            "kv_bytes": a.num_blocks * self.layout.block_bytes,
         }
 
 

@@ -1,4 +1,5 @@
-"""Which KV blocks are free, held, or cached: reference counts and the LRU of cached blocks.
+"""The KV block pool's bookkeeping: which blocks are free, held, or cached — reference counts and
+the LRU of cached blocks. Only ids: the tensors are the model runner's (:mod:`engine.model.kv_cache`).
 
 A block is in exactly one of three states:
 
@@ -6,7 +7,7 @@ A block is in exactly one of three states:
 * **held** — ``refs > 0``: in one or more requests' block tables (more than one only for a cached
   prefix block several requests reuse);
 * **cached, unreferenced** — ``refs == 0`` but indexed by the prefix cache
-  (:mod:`engine.model.prefix_cache`): its contents are kept for a later request and it sits in
+  (:mod:`engine.core.prefix_index`): its contents are kept for a later request and it sits in
   an LRU; when the free list runs dry the least recently released one is evicted (its index
   entry dropped through ``on_evict``) and reused.
 
@@ -22,15 +23,15 @@ from typing import Callable
 
 from engine.errors import QueueFullError
 
-__all__ = ["BlockAllocator"]
+__all__ = ["BlockPool"]
 
 
-class BlockAllocator:
+class BlockPool:
     def __init__(self, *, num_blocks: int, max_blocks: int, grow: Callable[[int], int],
                  on_evict: Callable[[int], None]) -> None:
-        """``num_blocks`` allocated now (block 0 included), at most ``max_blocks``; ``grow(n)``
-        reallocates the pool to ``n`` blocks and returns the new count; ``on_evict(block)`` drops
-        a cached block's index entry before the block is reused."""
+        """``num_blocks`` in the pool now (block 0 included), at most ``max_blocks``; ``grow(n)``
+        says the pool must hold ``n`` blocks from the next forward on and returns the new count;
+        ``on_evict(block)`` drops a cached block's index entry before the block is reused."""
         self.max_blocks = max_blocks
         self._grow, self._on_evict = grow, on_evict
         self.num_blocks = num_blocks

@@ -4,7 +4,7 @@ together with the internals their tokens' forward captured.
 A block's key is ``blake2b(parent key, the block's token ids)``: equal keys mean equal token
 prefixes, hence equal keys/values — the model is a function of the tokens before a position.
 Nothing else may change them, so a block is indexed only while every one of its positions and
-every position before it was fed without a steer (:mod:`engine.model.kv_blocks` tracks that);
+every position before it was fed without a steer (:mod:`engine.core.kv_manager` tracks that);
 an adjusted prefill is just other tokens, and hashes differently.
 
 A hit must not change what mods and stores see: ``Prefilled`` carries every prompt token's
