@@ -43,12 +43,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from .capture import CaptureBuffer, CapturedLog, capture_mod_output
+from .capture import CaptureBuffer, CapturedLog, _active, _ensure_installed
 from .conversation import pop_request_context, push_request_context
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
-__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "abandoned_mod_threads", "mod_name"]
+__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "CallRunner", "dispatch_batch",
+           "abandoned_mod_threads", "mod_name"]
 
 log = logging.getLogger("raylens.mods")
 
@@ -121,24 +122,39 @@ def _safe_str(err: BaseException) -> str:
 
 
 class _Pending:
-    """One mod call: its inputs, and what it produced once it returned."""
+    """One mod call: its inputs, and what it produced once it returned. ``after``: the call before
+    it on the same event (a fatal one means this one is not made)."""
 
-    __slots__ = ("mod", "event", "tokenizer", "buffer", "outcome", "done", "context")
+    __slots__ = ("mod", "event", "tokenizer", "buffer", "outcome", "done", "after", "skipped", "timeout", "name",
+                 "started_at", "elapsed_ms", "stack")
 
-    def __init__(self, mod: Callable[..., Any], event: ModEvent, tokenizer: Any) -> None:
+    def __init__(self, mod: Callable[..., Any], event: ModEvent, tokenizer: Any, after: "_Pending | None" = None,
+                 timeout: float | None = None) -> None:
         self.mod, self.event, self.tokenizer = mod, event, tokenizer
         self.buffer: CaptureBuffer | None = None
         self.outcome: tuple[ModAction, ModException | None, ModAction | None, bool] | None = None
+        self.after, self.timeout, self.skipped = after, timeout, False
+        self.name = mod_name(mod)
+        self.started_at, self.elapsed_ms, self.stack = 0.0, 0.0, ""
 
     def run(self) -> None:
-        """Call the mod with its output captured; never raises (everything is recorded)."""
+        """Call the mod with its output captured; never raises (everything is recorded). Skipped
+        when an earlier call on the same event was fatal."""
+        after = self.after
+        if after is not None and (after.skipped or after.outcome is None or after.outcome[3]):
+            self.skipped = True
+            return
         event = self.event
         exception: ModException | None = None
         rejected: ModAction | None = None
         fatal = False
         request_id = getattr(event, "request_id", None)
-        with capture_mod_output() as buffer:
-            self.buffer = buffer
+        _ensure_installed()
+        buffer = self.buffer = CaptureBuffer()
+        token = _active.set(buffer)
+        self.started_at = time.time()
+        t0 = time.perf_counter()
+        try:
             context = push_request_context(request_id if isinstance(request_id, str) else None)
             try:
                 result = self.mod(event, self.tokenizer)
@@ -154,21 +170,25 @@ class _Pending:
                 action = Noop()
             finally:
                 pop_request_context(context)
+        finally:
+            _active.reset(token)
+        self.elapsed_ms = (time.perf_counter() - t0) * 1000.0
         self.outcome = (action, exception, rejected, fatal)
 
 
 class _Worker:
-    """A daemon thread that runs the calls handed to it, one at a time.
+    """A daemon thread that runs the calls handed to it, in order, one at a time.
 
     Two raw locks are the hand-off (cheaper than a Queue or an Event): ``_go`` is released to
-    start a call, each call's own ``done`` lock when it returns. :meth:`stop` ends the thread after
-    its current call, or at once when idle.
+    start a batch of calls, each call's own ``done`` lock when it returns. :meth:`stop` ends the
+    thread after its current call, or at once when idle.
     """
 
     def __init__(self) -> None:
         self._go = threading.Lock()
         self._go.acquire()
-        self._pending: _Pending | None = None
+        self._batch: list[_Pending] = []
+        self._context: contextvars.Context | None = None
         self._stopped = False
         self.thread = threading.Thread(target=self._loop, name="raylens-mod-call", daemon=True)
         self.thread.start()
@@ -178,15 +198,24 @@ class _Worker:
             self._go.acquire()
             if self._stopped:
                 return
-            pending, self._pending = self._pending, None
-            assert pending is not None  # internal invariant: submit() sets it before releasing _go
-            pending.context.run(pending.run)
-            pending.done.release()
+            batch, self._batch = self._batch, []
+            context = self._context
+            assert context is not None  # internal invariant: submit() sets it before releasing _go
+            for pending in batch:
+                if self._stopped:
+                    return
+                context.run(pending.run)
+                pending.done.release()
             if self._stopped:
                 return
 
-    def submit(self, pending: _Pending) -> None:
-        self._pending = pending
+    def submit(self, batch: list[_Pending], context: contextvars.Context) -> None:
+        """Run ``batch`` in order in ``context`` (a copy of the caller's: the capture buffer and
+        request it sets there are the ones each mod sees)."""
+        for pending in batch:
+            pending.done = threading.Lock()
+            pending.done.acquire()
+        self._batch, self._context = batch, context
         self._go.release()
 
     def stop(self) -> None:
@@ -195,6 +224,54 @@ class _Worker:
             self._go.release()
         except RuntimeError:  # already released: the thread will see the flag when it takes it
             pass
+
+
+class CallRunner:
+    """Where mod calls run with a time limit: one worker thread, replaced when a call on it must
+    be abandoned. One runner serves a whole step's calls of many requests at once
+    (:func:`dispatch_batch`), so a step pays one thread hand-off per phase, not one per call."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._worker: _Worker | None = None
+
+    def run(self, calls: list[_Pending]) -> None:
+        """Run ``calls`` in order; each gets its own ``timeout``. A call that does not return in
+        time is abandoned (``outcome`` stays None), its thread renamed and replaced, the calls
+        after it on the same event skipped, and the rest run on the fresh worker."""
+        with self._lock:
+            while calls:
+                worker = self._worker
+                if worker is None:
+                    worker = self._worker = _Worker()
+                # a fresh copy each time: an abandoned call may still be running in the last one
+                worker.submit(calls, contextvars.copy_context())
+                stuck = None
+                for k, pending in enumerate(calls):
+                    try:
+                        returned = pending.done.acquire(timeout=pending.timeout if pending.timeout else -1)
+                    except BaseException:  # e.g. Ctrl-C while waiting: the call is abandoned, the signal goes on
+                        self._abandon(worker, pending.name)
+                        raise
+                    if not returned:
+                        stuck = k
+                        pending.stack = _stack_of(worker.thread)  # type: ignore[attr-defined]
+                        self._abandon(worker, pending.name)
+                        break
+                if stuck is None:
+                    return
+                calls = calls[stuck + 1:]  # those after it on its event find it without an outcome: skipped
+
+    def _abandon(self, worker: _Worker, name: str) -> None:
+        worker.stop()
+        worker.thread.name = f"{ABANDONED_THREAD_NAME} ({name})"
+        self._worker = None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._worker is not None:
+                self._worker.stop()
+                self._worker = None
 
 
 class ModManager:
@@ -217,7 +294,7 @@ class ModManager:
         self._tokenizer = tokenizer
         self._timeout = float(call_timeout_s) if call_timeout_s else None
         self._lock = threading.Lock()
-        self._worker: _Worker | None = None
+        self._runner: CallRunner | None = None
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -235,42 +312,55 @@ class ModManager:
         with self._lock:
             if self._finalizer is not None:
                 self._finalizer()
-            self._worker = self._finalizer = None
+            self._runner = self._finalizer = None
 
     def dispatch(self, event: ModEvent) -> list[ModAction]:
         return [call.action for call in self.dispatch_traced(event)]
 
     def dispatch_traced(self, event: ModEvent, mods: Sequence[Callable[..., Any]] | None = None) -> list[ModCall]:
-        calls: list[ModCall] = []
-        for m in self.mods if mods is None else mods:
-            calls.append(self._call(m, event))
-            if calls[-1].fatal:
-                break
-        return calls
-
-    # ---------------------------------------------------------------------------------- one call
-
-    def _call(self, mod: Callable[..., Any], event: ModEvent) -> ModCall:
-        name = mod_name(mod)
-        event_type = type(event).__name__
-        step = getattr(event, "step", 0)
-        pending = _Pending(mod, event, self._tokenizer)
-        started_at = time.time()
-        t0 = time.perf_counter()
-        stuck_at: str | None = None  # where the mod was when its call was abandoned
+        pendings = self.pending_calls(event, mods)
         if self._timeout is None:
-            pending.run()
+            for pending in pendings:
+                pending.run()
         else:
-            stuck_at = self._run_on_worker(pending, name)
-        elapsed_ms = (time.perf_counter() - t0) * 1000.0
-        if stuck_at is not None:
+            with self._lock:
+                if self._runner is None:
+                    self._runner = CallRunner()
+                    self._finalizer = weakref.finalize(self, self._runner.close)
+                    self._finalizer.atexit = False
+                runner = self._runner
+            runner.run(pendings)
+        return self.records(pendings)
+
+    # ---------------------------------------------------------------------------------- calls
+
+    def pending_calls(self, event: ModEvent, mods: Sequence[Callable[..., Any]] | None = None) -> list[_Pending]:
+        """One call per mod for ``event``, chained so that a fatal call stops the ones after it."""
+        out: list[_Pending] = []
+        previous = None
+        for m in self.mods if mods is None else mods:
+            previous = _Pending(m, event, self._tokenizer, previous, self._timeout)
+            out.append(previous)
+        return out
+
+    def records(self, pendings: Sequence[_Pending]) -> list[ModCall]:
+        """What each call did (calls skipped after a fatal one are left out)."""
+        return [self._record(p) for p in pendings if not p.skipped]
+
+    def _record(self, pending: _Pending) -> ModCall:
+        name = pending.name
+        event_type = type(pending.event).__name__
+        step = getattr(pending.event, "step", 0)
+        if pending.outcome is None:  # abandoned after its time limit
             timeout = ModCallTimeout(name, self._timeout or 0.0, event_type, step)
-            action, exception, rejected, fatal = Noop(), _timeout_record(timeout, stuck_at), None, True
+            action, exception, rejected, fatal = Noop(), _timeout_record(timeout, pending.stack), None, True
             logs = _timeout_logs(pending, timeout)
+            started_at = pending.started_at or time.time()
+            elapsed_ms = (self._timeout or 0.0) * 1000.0
         else:
-            assert pending.outcome is not None and pending.buffer is not None  # set by run()
             action, exception, rejected, fatal = pending.outcome
-            logs = pending.buffer.logs()
+            logs = pending.buffer.logs()  # type: ignore[union-attr]
+            started_at, elapsed_ms = pending.started_at, pending.elapsed_ms
         if exception is not None:
             log.log(logging.ERROR if fatal else logging.WARNING, "mod %s raised %s on %s step %s: %s", name,
                     exception.type, event_type, step, exception.message)
@@ -281,40 +371,28 @@ class ModManager:
         except AttributeError:  # an action object that refuses attributes: the record still has it
             pass
         return ModCall(name, event_type, step, action, logs, started_at, elapsed_ms, exception, rejected,
-                       timed_out=stuck_at is not None, fatal=fatal)
+                       pending.outcome is None, fatal)
 
-    def _run_on_worker(self, pending: _Pending, name: str) -> str | None:
-        """Run the call on the worker thread, in a copy of the caller's context (so the capture
-        buffer and request set there are the ones the mod sees). None when it returned in time,
-        else the stack of the abandoned thread."""
-        pending.context = contextvars.copy_context()
-        pending.done = threading.Lock()
-        pending.done.acquire()
-        with self._lock:
-            worker = self._worker
-            if worker is None:
-                worker = self._worker = _Worker()
-                self._finalizer = weakref.finalize(self, worker.stop)
-                self._finalizer.atexit = False
-            worker.submit(pending)
-            try:
-                returned = pending.done.acquire(timeout=self._timeout)
-            except BaseException:  # e.g. Ctrl-C while waiting: the call is abandoned, the signal goes on
-                self._abandon(worker, name)
-                raise
-            if returned:
-                return None
-            stack = _stack_of(worker.thread)
-            self._abandon(worker, name)
-            return stack
 
-    def _abandon(self, worker: _Worker, name: str) -> None:
-        worker.stop()
-        worker.thread.name = f"{ABANDONED_THREAD_NAME} ({name})"
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        self._worker = self._finalizer = None
-
+def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunner) -> list[list[ModCall]]:
+    """Every mod of every ``(manager, event)`` job, in order, with one hand-off to ``runner``'s
+    thread for all the calls that have a time limit (a step of many requests pays one thread
+    switch per phase, not one per call); a manager without a limit calls its mods inline, in
+    turn. Returns each job's records, as :meth:`ModManager.dispatch_traced` would."""
+    groups = [manager.pending_calls(event) for manager, event in jobs]
+    segment: list[_Pending] = []
+    for manager, pendings in zip((m for m, _ in jobs), groups):
+        if manager.call_timeout_s is None:
+            if segment:
+                runner.run(segment)
+                segment = []
+            for pending in pendings:
+                pending.run()
+        else:
+            segment.extend(pendings)
+    if segment:
+        runner.run(segment)
+    return [manager.records(pendings) for (manager, _), pendings in zip(jobs, groups)]
 
 
 def _timeout_record(timeout: ModCallTimeout, stack: str) -> ModException:

@@ -194,8 +194,9 @@ class PhaseActions:
         if logits.shape[0] != vocab:
             return self.fault(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
                                     f"got {logits.shape[0]}")
-        # one device read: NaN or +inf anywhere, or nothing finite left, cannot be sampled from
-        if bool(torch.isnan(logits).any() | torch.isposinf(logits).any() | torch.isneginf(logits).all()):
+        # one pass and one device read: the maximum is finite unless there is a NaN (max propagates
+        # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from
+        if not bool(torch.isfinite(logits.max())):
             return self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
                                     "finite entry; got NaN, +inf or -inf everywhere")
         temp = action.token_temp

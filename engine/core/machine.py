@@ -35,7 +35,7 @@ order, with the same records, as in place.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -47,11 +47,46 @@ from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
 from engine.model.sampling import SampleResult, SampleRow
 from engine.model.tensor import TensorShim
+from mods.manager import CallRunner, ModCall, ModManager, dispatch_batch
 from mods.types import Added, ContextInfo, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
-__all__ = ["RequestMachine", "join_chunks", "run_guarded"]
+__all__ = ["RequestMachine", "Phase", "drive", "join_chunks", "run_guarded"]
 
 log = logging.getLogger("raylens.step_loop")
+
+
+T = TypeVar("T")
+Phase = Generator[ModEvent, list[ModCall], T]  # yields events for mods, is sent their calls, returns T
+
+
+def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRunner) -> list[Any]:
+    """Run each machine's phase to its end; every round, the events all of them wait on are
+    dispatched to their mods together (one thread hand-off for the round, not one per call). A
+    phase that raises fails its request alone (its result is None)."""
+    results: list[Any] = [None] * len(phases)
+    waiting: list[tuple[int, ModEvent]] = []
+
+    def advance(i: int, value: Any) -> None:
+        machine, phase = phases[i]
+        try:
+            event = phase.send(value)
+        except StopIteration as done:
+            results[i] = done.value
+            return
+        except Exception as err:
+            log.warning("request %s failed: %s: %s", machine.request_id, type(err).__name__, err)
+            machine.fail(f"{type(err).__name__}: {err}")
+            return
+        waiting.append((i, event))
+
+    for i in range(len(phases)):
+        advance(i, None)
+    while waiting:
+        now, waiting[:] = list(waiting), []
+        calls = dispatch_batch([(phases[i][0].manager, event) for i, event in now], runner)
+        for (i, _), made in zip(now, calls):
+            advance(i, made)
+    return results
 
 
 def run_guarded(machine: "RequestMachine", fn: Callable[[], Any]) -> Any:
@@ -84,6 +119,8 @@ class RequestMachine:
         # the two plans a row is fed with, built once: a prompt's rows all, later feeds the newest
         self._plans = (state.plan.with_all_query_rows(False), state.plan.with_all_query_rows(True))
         self._wants_top = True  # the payload records each ForwardPass's top log-probs
+        self._reads_logits = not self._mod_free  # its mods may read ForwardPass.logits
+        self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
 
     @property
     def steer_log(self) -> list[dict[str, Any]]:
@@ -205,10 +242,12 @@ class RequestMachine:
             row, output = join_chunks(self._parts)
             self._parts = []
         state.output = output
+        if self._reads_logits:
+            self._host = output.host_logits()  # one host copy of the step's logits for every mod
         self._report_forward(row)
         if not self._decoding:
             self._decoding = True
-            self.actions.apply_prefilled_actions(self._dispatch(self._prefilled_event()))
+            self.actions.apply_prefilled_actions(self._dispatch_now(self._prefilled_event()))
         return True
 
     def _report_forward(self, row: ForwardRow) -> None:
@@ -221,18 +260,19 @@ class RequestMachine:
 
     # ------------------------------------------------------------------------------ the step
 
-    def step(self) -> SampleRow | None:
+    def step(self) -> Phase[SampleRow | None]:
         """ForwardPass and its actions. Returns the row to sample when this step samples; else the
-        step is already over (forced or reinjected tokens added, or the request ended)."""
+        step is already over (forced or reinjected tokens added, or the request ended). A phase:
+        it yields each event its mods must see and is sent their calls (:func:`drive`)."""
         state = self.state
         state.force_accepted = False
         state.step_committed = []
-        plan = self.actions.apply_forward_pass_actions(self._dispatch(self._forward_event()))
+        plan = self.actions.apply_forward_pass_actions((yield from self._dispatch(self._forward_event())))
         if state.finish is not None:
             return None
         if not plan.backtracked and not state.forced_queue:
             return self._sample_row(plan)
-        self._add_step_tokens(plan, None)
+        yield from self._add_step_tokens(plan, None)
         self._end_step()
         return None
 
@@ -246,18 +286,23 @@ class RequestMachine:
         grammar = state.grammar
         mask = grammar.mask(hold_end=early) if grammar is not None and grammar.attached else None
         suppress = tuple(request.stop_ids) if early and mask is None else ()
-        logits = plan.logits if plan.logits is not None else state.output.logits  # type: ignore[union-attr]
-        vocab, device = logits.shape[-1], logits.device
+        output = state.output
+        source = output.source if plan.logits is None else None  # type: ignore[union-attr]
+        logits = None if source is not None else plan.logits if plan.logits is not None else output.logits  # type: ignore[union-attr]
+        if not (params.needs_history or params.needs_generated):
+            return SampleRow(logits, params, state.generator, None, request.logprobs, None, suppress, mask, source,
+                             output.batch_top if source is not None else None)  # type: ignore[union-attr]
+        vocab, device = self.actions.vocab_size, self.actions.device
         return SampleRow(logits, params, state.generator,
                          state.penalty_counts("history", vocab, device) if params.needs_history else None,
                          request.logprobs,
                          state.penalty_counts("generated", vocab, device) if params.needs_generated else None,
-                         suppress, mask)
+                         suppress, mask, source, output.batch_top if source is not None else None)  # type: ignore[union-attr]
 
-    def on_sample(self, sample: SampleResult | None) -> bool:
+    def on_sample(self, sample: SampleResult | None) -> Phase[bool]:
         """Sampled and its actions, the step's tokens added and announced, stop checks. ``None``:
-        sampling failed (the loop failed the request). True when the announcements are held
-        for :meth:`flush`."""
+        sampling failed (the loop failed the request). Returns True when the announcements are
+        held for :meth:`flush`. A phase, as :meth:`step`."""
         state = self.state
         if sample is None or state.finish is not None:
             self._end_step()
@@ -266,10 +311,10 @@ class RequestMachine:
             and state.sae_features is None
         if hold:
             self._outbox = []
-        plan = self.actions.apply_sampled_actions(self._dispatch(Sampled(state.request_id, state.step,
-                                                                         sample.token)))
+        plan = self.actions.apply_sampled_actions(
+            (yield from self._dispatch(Sampled(state.request_id, state.step, sample.token))))
         if state.finish is None:
-            self._add_step_tokens(plan, sample)
+            yield from self._add_step_tokens(plan, sample)
         self._end_step()
         if hold and state.finish is not None:  # it leaves the batch now: nothing to overlap
             self.flush()
@@ -285,18 +330,18 @@ class RequestMachine:
             fn(*args)
         return len(outbox)
 
-    def _add_step_tokens(self, plan: StepPlan, sample: SampleResult | None) -> None:
+    def _add_step_tokens(self, plan: StepPlan, sample: SampleResult | None) -> Phase[None]:
         """Commit and announce this step's tokens: reinjected, forced, or the sample."""
         state = self.state
         if plan.backtracked:
             if plan.reinject:
-                self._commit(plan.reinject, forced=True)
+                yield from self._commit(plan.reinject, forced=True)
         elif state.forced_queue:
-            self._commit(state.take_queue(), forced=True)
+            yield from self._commit(state.take_queue(), forced=True)
         elif sample is not None:
-            self._commit([sample.token], forced=False, sample=sample)
+            yield from self._commit([sample.token], forced=False, sample=sample)
 
-    def _commit(self, tokens: list[int], *, forced: bool, sample: SampleResult | None = None) -> None:
+    def _commit(self, tokens: list[int], *, forced: bool, sample: SampleResult | None = None) -> Phase[None]:
         """The step's tokens join the sequence, reach the stream, and Added is dispatched."""
         state = self.state
         features = attention = None
@@ -310,7 +355,8 @@ class RequestMachine:
                            (tokens, forced, sample, attention, features))
         if state.finish is not None:  # a sample the grammar refused: the request ended
             return
-        self.actions.apply_added_actions(self._dispatch(Added(state.request_id, state.step, list(tokens), forced)))
+        self.actions.apply_added_actions(
+            (yield from self._dispatch(Added(state.request_id, state.step, list(tokens), forced))))
 
     def _commit_silently(self, tokens: list[int]) -> None:
         """Forced tokens with no Added of their own (Added-phase ForceTokens, Backtrack's tokens)."""
@@ -356,18 +402,36 @@ class RequestMachine:
         state.events.append(event)
         if state.on_event is not None:
             state.on_event(event)
-        top = state.output.top if isinstance(event, ForwardPass) and state.output is not None else None
+        top = state.output.top_source if isinstance(event, ForwardPass) and state.output is not None else None
         return state.payload.event(event, top)
 
-    def _dispatch(self, event: ModEvent) -> list[Call]:
+    def _dispatch(self, event: ModEvent) -> Phase[list[Call]]:
+        """The event is recorded, and its mods' calls come back from the driver (:func:`drive`,
+        which dispatches the events of every request of the step together)."""
         state = self.state
         if self._mod_free:  # no mod to call: the event is only recorded (held, when announcements are)
             self._announce(self._record, (event,))
             return []
         index = self._record(event)
-        calls = state.manager.dispatch_traced(event)
-        items = [Call(c, i) for c, i in zip(calls, state.payload.calls(index, calls))]
+        calls = yield event
+        return self._items(index, calls)
+
+    def _dispatch_now(self, event: ModEvent) -> list[Call]:
+        """:meth:`_dispatch` on this thread, alone (Prefilled: once per request)."""
+        if self._mod_free:
+            self._announce(self._record, (event,))
+            return []
+        index = self._record(event)
+        return self._items(index, self.state.manager.dispatch_traced(event))
+
+    def _items(self, index: int, calls: Sequence[ModCall]) -> list[Call]:
+        items = [Call(c, i) for c, i in zip(calls, self.state.payload.calls(index, calls))]
         return items if self.actions.check_fatal_calls(items) else []
+
+    @property
+    def manager(self) -> ModManager:
+        """The request's mods (what :func:`drive` dispatches its events to)."""
+        return self.state.manager
 
     def _features(self, newest_only: bool) -> SAEFeatures | None:
         """The inline SAE encoding of the newest forward, as the SDK's numpy object."""
@@ -405,9 +469,10 @@ class RequestMachine:
         hidden = output.captured.hidden.get(state.event_layer)
         attention = output.captured.attention.get(state.event_layer)
         return ForwardPass(
-            state.request_id, state.step, TensorShim(output.logits[None, :], readonly=True),  # (1, V)
-            hidden_states=_shim(hidden[-1:] if hidden is not None else None),  # (1, d)
-            attention_patterns=_shim(attention[:, -1:, :] if attention is not None else None),  # (h, 1, kv)
+            state.request_id, state.step, _logits_shim(output, self._host),  # (1, V)
+            hidden_states=_shim(hidden if hidden is None or hidden.shape[0] == 1 else hidden[-1:]),  # (1, d)
+            attention_patterns=_shim(attention if attention is None or attention.shape[1] == 1
+                                     else attention[:, -1:, :]),  # (h, 1, kv)
             layer=state.event_layer,
             input_ids=state.tokens,
             sae_features=self._features(newest_only=True),  # (k,)
@@ -433,6 +498,16 @@ def join_chunks(parts: Sequence[tuple[ForwardRow, RowOutput]]) -> tuple[ForwardR
     tokens = tuple(t for row, _ in parts for t in row.tokens)
     row = ForwardRow(first.request_id, first.start, tokens, last_row.plan, last_row.steer, last_row.steer_layer)
     return row, RowOutput(last_out.logits, RowCapture(hidden, attention), last_out.top)
+
+
+def _logits_shim(output: RowOutput, host: Any) -> TensorShim:
+    """``(1, V)`` read-only logits of the newest forward: a view of the batch's row, made when a
+    reader first asks for it; ``host``: the step's host copy its mods read (``to_numpy``)."""
+    source = output.source
+    if source is None:
+        return TensorShim(output.logits[None, :], readonly=True)
+    batch, index = source
+    return TensorShim.row(batch, index, host)
 
 
 def _shim(tensor: torch.Tensor | None) -> TensorShim | None:

@@ -8,6 +8,7 @@
            → scheduler.update()   KV and prefix index recorded; each request takes its row
            → each ready request's step(): ForwardPass → its mods → what to sample
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
+             (the mods of every request see a phase's events together: one hand-off per round)
            → scheduler.retire()   finished requests leave; their results are built off this thread
 
 The loop only calls those, in that order; it reads no request's state. What one request does —
@@ -37,12 +38,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
 from engine.core.kv_manager import KVManager
-from engine.core.machine import run_guarded
+from engine.core.machine import drive, run_guarded
 from engine.core.scheduler import Entry, LoopStats, Scheduler, SchedulerOutput
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model.backend import Backend, ForwardBatch, ForwardRow, RowOutput
 from engine.model.capture import CapturePlan
 from engine.model.sampling import SampleResult, SampleRow, sample_rows
+from mods.manager import CallRunner
 
 __all__ = ["StepLoop", "Entry", "LoopStats"]
 
@@ -76,6 +78,7 @@ class StepLoop:
         self._held: list[Entry] = []  # requests whose last step's announcements wait for the next launch
         self._calls: list[tuple[Callable[["StepLoop"], Any], Future]] = []  # work run between steps
         self._sampled_at: float | None = None
+        self.mod_calls = CallRunner()  # where every request's mod calls run, a phase of a step at a time
 
     @classmethod
     def for_backend(cls, backend: Backend) -> "StepLoop":
@@ -169,6 +172,7 @@ class StepLoop:
         if self._thread is not None:
             self._thread.join(timeout)
         self._finisher.shutdown(wait=True)
+        self.mod_calls.close()
 
     def forward_prompt(self, input_ids: Sequence[int], plan: CapturePlan, timeout: float | None = None) -> RowOutput:
         """One prefill-shaped forward of ``input_ids`` over blocks of its own (freed afterwards),
@@ -228,18 +232,13 @@ class StepLoop:
         if output:
             self._forward(output)
         self._flush_held()  # when no forward ran
-        sampling: list[tuple[Entry, SampleRow]] = []
-        for entry in self.scheduler.running:
-            machine = entry.machine
-            if machine.ready:
-                row = run_guarded(machine, machine.step)
-                if row is not None and not machine.finished:
-                    sampling.append((entry, row))
+        ready = [e for e in self.scheduler.running if e.machine.ready]
+        rows = drive([(e.machine, e.machine.step()) for e in ready], self.mod_calls)
+        sampling = [(e, row) for e, row in zip(ready, rows) if row is not None and not e.machine.finished]
         samples = self._sample(sampling)
         self._sampled_at = time.perf_counter() if sampling else None
-        for (entry, _), sample in zip(sampling, samples):
-            if run_guarded(entry.machine, lambda m=entry.machine, s=sample: m.on_sample(s)):
-                self._held.append(entry)
+        held = drive([(e.machine, e.machine.on_sample(s)) for (e, _), s in zip(sampling, samples)], self.mod_calls)
+        self._held += [e for (e, _), hold in zip(sampling, held) if hold]
         self.stats.steps += 1
         self._retire()
 

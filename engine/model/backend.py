@@ -16,7 +16,7 @@ internals per :class:`~engine.model.capture.RowCapture`. Tensors stay on the mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -34,7 +34,9 @@ FORWARD_TOP_K = 20
 
 
 def top_logprobs(logits: Any, k: int = FORWARD_TOP_K) -> tuple[Any, Any]:
-    """``logits (B, V)`` → the ``k`` largest log-probabilities ``(B, k)`` and their ids ``(B, k)``."""
+    """``logits (B, V)`` → the ``k`` largest log-probabilities ``(B, k)`` and their ids ``(B, k)``.
+    (The top logits less a ``logsumexp`` would skip writing the ``(B, V)`` log-softmax, but on a
+    CPU ``logsumexp`` alone costs three times the fused ``log_softmax``, and it rounds differently.)"""
     values, indices = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
     return values, indices
 
@@ -101,11 +103,67 @@ class ForwardBatch:
         return ForwardBatch((self.rows[index],), self.num_blocks)
 
 
-@dataclass(frozen=True)
 class RowOutput:
-    logits: Any  # (V,) float32, on device
-    captured: RowCapture
-    top: tuple[Any, Any] | None  # the logits' FORWARD_TOP_K log-probs (k,) and ids (k,), on device; None if not asked
+    """One row of a forward: ``logits (V,)`` float32 for the position after its last fed token,
+    ``captured`` its own internals, ``top`` the logits' ``FORWARD_TOP_K`` log-probs ``(k,)`` and
+    ids ``(k,)`` (None when not asked). A row of a :class:`ForwardOutput` makes its tensor views
+    only when they are read: a step hands every row its output, and most rows' logits are only
+    ever read by the batched sampler, through :attr:`source`."""
+
+    __slots__ = ("_batch", "index", "_logits", "captured", "_top")
+
+    def __init__(self, logits: Any, captured: RowCapture, top: tuple[Any, Any] | None, *,
+                 batch: "ForwardOutput | None" = None, index: int = 0) -> None:
+        self._batch, self.index = batch, index
+        self._logits, self.captured, self._top = logits, captured, top
+
+    @property
+    def logits(self) -> Any:
+        if self._logits is None and self._batch is not None:
+            self._logits = self._batch.logits[self.index]
+        return self._logits
+
+    @property
+    def top(self) -> tuple[Any, Any] | None:
+        if self._top is None and self._batch is not None and self._batch.top is not None:
+            values, ids = self._batch.top
+            self._top = (values[self.index], ids[self.index])
+        return self._top
+
+    def host_logits(self) -> Any:
+        """The batch's :class:`~engine.model.tensor.HostLogits` with this row in it: the one host
+        copy of the step's logits that every mod reading its request's logits shares (None for a
+        row on its own)."""
+        batch = self._batch
+        if batch is None:
+            return None
+        host = batch.host
+        if host is None:
+            from engine.model.tensor import HostLogits
+
+            host = HostLogits(batch.logits)
+            object.__setattr__(batch, "host", host)
+        host.add(self.index)
+        return host
+
+    @property
+    def source(self) -> tuple[Any, int] | None:
+        """``(logits (B, V) of the whole batch, this row's index)``, or None for a row on its own."""
+        return (self._batch.logits, self.index) if self._batch is not None else None
+
+    @property
+    def batch_top(self) -> tuple[Any, Any] | None:
+        """The whole batch's ``(values (B, k), ids (B, k))`` top log-probs, when computed."""
+        return self._batch.top if self._batch is not None else None
+
+    @property
+    def top_source(self) -> tuple[Any, Any, int] | None:
+        """``(values (B, k), ids (B, k), this row's index)`` of the batch's top log-probs (None when
+        not asked): what a payload keeps, without a view per row per step."""
+        if self._batch is not None:
+            top = self._batch.top
+            return None if top is None else (top[0], top[1], self.index)
+        return None if self._top is None else (self._top[0][None], self._top[1][None], 0)
 
 
 @dataclass(frozen=True)
@@ -117,13 +175,10 @@ class ForwardOutput:
     logits: Any
     top: tuple[Any, Any] | None
     captured: tuple[RowCapture, ...]
+    host: Any = field(default=None, compare=False, repr=False)  # HostLogits, once a row's mods may read it
 
     def rows(self) -> list[RowOutput]:
-        top = self.top
-        if top is None:
-            return [RowOutput(self.logits[b], c, None) for b, c in enumerate(self.captured)]
-        values, ids = top
-        return [RowOutput(self.logits[b], c, (values[b], ids[b])) for b, c in enumerate(self.captured)]
+        return [RowOutput(None, c, None, batch=self, index=b) for b, c in enumerate(self.captured)]
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ temperature, top-k and top-p — so top-k/top-p choose among tokens the grammar 
 ``torch.Generator``, never from the global RNG, so a seeded request draws the same tokens whatever
 else shares its batch.
 
-:func:`sample_rows` serves a whole step: greedy rows share one ``argmax``; each sampling row draws
-with its own generator; every chosen id stays on the device until one host read at the end (the
-only sync a plain step needs: mods receive the sampled id as a Python int).
+:func:`sample_rows` serves a whole step as a batch: greedy rows share one ``argmax``; every filter
+is one op over the rows it applies to; each sampling row draws with its own generator; every
+chosen id stays on the device until one host read at the end (the only sync a plain step needs:
+mods receive the sampled id as a Python int).
 
 Log-probabilities (for streaming clients and ranked candidates) are those of the distribution the
 token was drawn from: the processed scores' log-softmax (temperature, top-k and top-p applied and
@@ -99,38 +100,6 @@ def unpack_mask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def _processed(scores: torch.Tensor, params: SamplingParams, history: torch.Tensor | None,
-               row: "SampleRow | None" = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """``scores (1, V)`` float32 after every filter before temperature (a copy when changed), then
-    the warpers unless greedy. ``allowed (V,)`` bool: the row's grammar mask, unpacked."""
-    if params.banned:
-        scores = scores.clone()
-        scores[0, list(params.banned)] = float("-inf")
-    if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=scores.device)
-        bias = torch.tensor([b for _, b in params.logit_bias], dtype=scores.dtype, device=scores.device)
-        scores = scores.clone()
-        scores[0].index_add_(0, ids, bias)
-    counts = row.generated if row is not None else None
-    if params.needs_generated and counts is not None:
-        counts = counts.to(scores.dtype)  # (V,)
-        scores = scores - (params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(scores.dtype))
-    if params.needs_history and history is not None:
-        # transformers' RepetitionPenaltyLogitsProcessor over the tokens present so far: a token
-        # seen before has its logit divided by the penalty, or multiplied when negative
-        penalty = params.repetition_penalty
-        seen = (history > 0)[None, :]
-        scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
-    if row is not None and row.suppress:
-        scores = scores.clone()
-        scores[0, list(row.suppress)] = float("-inf")
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed[None, :], float("-inf"))
-    if params.greedy:
-        return scores
-    return _warpers(params.temperature, params.top_k, params.top_p)(None, scores)
-
-
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token id from ``logits`` ``(V,)`` or ``(1, V)`` (one host read)."""
     return sample_rows([SampleRow(logits, params, generator)])[0].token
@@ -162,7 +131,11 @@ class TokenCounts:
 
 @dataclass(frozen=True)
 class SampleRow:
-    logits: torch.Tensor  # (V,) or (1, V)
+    """One row to draw from: ``logits (V,)`` or ``(1, V)``, or ``source`` — ``(logits (B, V) of a
+    whole forward, the row's index)`` — for a row drawn from a batch's own logits (no per-row
+    view or copy until a filter must change them)."""
+
+    logits: torch.Tensor | None
     params: SamplingParams
     generator: torch.Generator
     history: torch.Tensor | None = None  # (V,) counts of the request's tokens so far (repetition penalty)
@@ -170,12 +143,23 @@ class SampleRow:
     generated: torch.Tensor | None = None  # (V,) counts of the generated tokens (presence/frequency penalties)
     suppress: tuple[int, ...] = ()  # ids not drawn this step (stop tokens before min_tokens)
     mask: torch.Tensor | None = None  # (ceil(V/32),) int32 packed: the tokens a grammar allows next
+    source: tuple[torch.Tensor, int] | None = None
+    # (values (B, k), ids (B, k)) of the source's logits, sorted, when the forward computed them
+    # (what payloads record): a plain greedy row's token is then its first id, not a new argmax
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing to apply: served by the batch's one argmax."""
         return (self.params.greedy and self.params.plain and not self.suppress and self.mask is None
                 and self.logprobs < 0)
+
+    def row_logits(self) -> torch.Tensor:
+        """``(V,)``: this row's logits."""
+        if self.logits is not None:
+            return self.logits.reshape(-1)
+        batch, index = self.source  # type: ignore[misc]
+        return batch[index]
 
 
 @dataclass(frozen=True)
@@ -198,43 +182,139 @@ def _host_read(*tensors: torch.Tensor) -> list[list[Any]]:
     return [t.tolist() for t in tensors]
 
 
-def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
-    """One token per row; ids and asked-for log-probs reach the host in one read (log-probs of all
-    rows that ask are computed as one batch on the device)."""
-    chosen: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
-    scores: list[torch.Tensor | None] = [None] * len(rows)
-    plain_greedy = [i for i, r in enumerate(rows) if r.plain]
-    if plain_greedy:
-        stacked = torch.stack([rows[i].logits.reshape(-1) for i in plain_greedy])  # (G, V)
-        ids = torch.argmax(stacked, dim=-1)
-        for j, i in enumerate(plain_greedy):
-            chosen[i] = ids[j]
-    masked = [i for i, r in enumerate(rows) if r.mask is not None]
-    allowed: dict[int, torch.Tensor] = {}
+def _gather(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
+    """``(len(which), V)`` float32: the logits of those rows, in that order — one ``index_select``
+    for rows of one batch's logits (the whole batch itself when they are all of it, in order),
+    a stack for rows of their own."""
+    sources = {id(rows[i].source[0]) for i in which if rows[i].source is not None}
+    if len(sources) == 1 and all(rows[i].source is not None for i in which):
+        batch = rows[which[0]].source[0]  # type: ignore[index]
+        indices = [rows[i].source[1] for i in which]  # type: ignore[index]
+        if indices == list(range(batch.shape[0])):
+            return batch.float()
+        return batch.index_select(0, torch.tensor(indices, device=batch.device)).float()
+    return torch.stack([rows[i].row_logits() for i in which]).float()
+
+
+def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
+    """``(len(which),)`` each row's argmax. Rows of one CPU batch whose forward already sorted its
+    top logits take the first of them (no pass over the vocabulary); a row whose two best are
+    equal takes ``argmax``'s choice (the first such id), as :func:`torch.topk` orders ties freely."""
+    first = rows[which[0]]
+    batch = first.source[0] if first.source is not None else None
+    if (first.top is None or batch is None or batch.device.type != "cpu"
+            or any(rows[i].top is None or rows[i].source is None or rows[i].source[0] is not batch for i in which)):
+        return torch.argmax(_gather(rows, which), dim=-1)
+    values, ids = first.top
+    index = torch.tensor([rows[i].source[1] for i in which])  # type: ignore[index]
+    best, second = values.index_select(0, index)[:, 0], values.index_select(0, index)[:, 1]
+    chosen = ids.index_select(0, index)[:, 0].clone()
+    ties = (best == second).nonzero()[:, 0].tolist()  # on the CPU: no device sync to pay
+    if ties:
+        chosen[ties] = torch.argmax(_gather(rows, [which[t] for t in ties]), dim=-1)
+    return chosen
+
+
+def _pairs(rows: Sequence[SampleRow], which: Sequence[int], ids_of) -> tuple[list[int], list[int]]:
+    """``(row positions, token ids)`` of every ``ids_of(row)`` entry, for one indexed write."""
+    at, ids = [], []
+    for j, i in enumerate(which):
+        for t in ids_of(rows[i]):
+            at.append(j)
+            ids.append(t)
+    return at, ids
+
+
+def _filters(scores: torch.Tensor, rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
+    """Every filter before temperature, applied to ``scores (M, V)`` (the rows ``which``) in
+    place, in the module docstring's order, each as one batched op."""
+    device = scores.device
+    at, ids = _pairs(rows, which, lambda r: r.params.banned)
+    if at:
+        scores[at, ids] = float("-inf")
+    biased = [(j, i) for j, i in enumerate(which) if rows[i].params.logit_bias]
+    if biased:
+        at = [j for j, i in biased for _ in rows[i].params.logit_bias]
+        ids = [t for _, i in biased for t, _ in rows[i].params.logit_bias]
+        bias = torch.tensor([b for _, i in biased for _, b in rows[i].params.logit_bias], dtype=scores.dtype,
+                            device=device)
+        scores.index_put_((torch.tensor(at, device=device), torch.tensor(ids, device=device)), bias,
+                          accumulate=True)
+    counted = [(j, rows[i]) for j, i in enumerate(which) if rows[i].params.needs_generated and rows[i].generated is not None]
+    if counted:
+        at_t = torch.tensor([j for j, _ in counted], device=device)
+        counts = torch.stack([r.generated for _, r in counted]).to(scores.dtype)  # (C, V)
+        frequency = torch.tensor([r.params.frequency_penalty for _, r in counted], dtype=scores.dtype, device=device)
+        presence = torch.tensor([r.params.presence_penalty for _, r in counted], dtype=scores.dtype, device=device)
+        scores[at_t] = scores[at_t] - (frequency[:, None] * counts + presence[:, None] * (counts > 0).to(scores.dtype))
+    repeated = [(j, rows[i]) for j, i in enumerate(which) if rows[i].params.needs_history and rows[i].history is not None]
+    if repeated:
+        # transformers' RepetitionPenaltyLogitsProcessor over the tokens present so far: a token
+        # seen before has its logit divided by the penalty, or multiplied when negative
+        at_t = torch.tensor([j for j, _ in repeated], device=device)
+        seen = torch.stack([r.history for _, r in repeated]) > 0  # (R, V)
+        penalty = torch.tensor([r.params.repetition_penalty for _, r in repeated], dtype=scores.dtype,
+                               device=device)[:, None]
+        part = scores[at_t]
+        scores[at_t] = torch.where(seen, torch.where(part < 0, part * penalty, part / penalty), part)
+    at, ids = _pairs(rows, which, lambda r: r.suppress)
+    if at:
+        scores[at, ids] = float("-inf")
+    masked = [(j, rows[i]) for j, i in enumerate(which) if rows[i].mask is not None]
     if masked:  # every grammar row's mask unpacked in one batch: (M, W) int32 -> (M, V) bool
-        device, vocab = rows[masked[0]].logits.device, rows[masked[0]].logits.shape[-1]
-        packed = torch.stack([rows[i].mask.reshape(-1) for i in masked])  # type: ignore[union-attr]
-        unpacked = unpack_mask(packed.to(device), vocab)
-        allowed = {i: unpacked[j] for j, i in enumerate(masked)}
-    for i, row in enumerate(rows):
-        if chosen[i] is not None:
-            continue
-        s = _processed(row.logits.reshape(1, -1).float(), row.params, row.history, row, allowed.get(i))  # (1, V)
-        scores[i] = s
-        if row.params.greedy:
-            chosen[i] = torch.argmax(s, dim=-1)[0]
-        else:
-            probs = torch.softmax(s, dim=-1)
-            chosen[i] = torch.multinomial(probs, num_samples=1, generator=row.generator)[0, 0]
-    ids = torch.stack(chosen)  # (B,)
-    asking = [i for i, r in enumerate(rows) if r.logprobs >= 0]
+        packed = torch.stack([r.mask.reshape(-1) for _, r in masked]).to(device)  # type: ignore[union-attr]
+        allowed = unpack_mask(packed, scores.shape[-1])
+        at_t = torch.tensor([j for j, _ in masked], device=device)
+        scores[at_t] = scores[at_t].masked_fill(~allowed, float("-inf"))
+    return scores
+
+
+def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
+    """One token per row, the whole batch at once: plain greedy rows share one ``argmax`` over
+    their logits (no copy when they are a whole forward's rows); the others are gathered once
+    and every filter is one batched op over them; rows drawing at random (each with its own
+    generator) are warped in groups of equal temperature, top-k and top-p. Ids and asked-for
+    log-probs reach the host in one read. Each row gets what it would get drawn alone."""
+    n = len(rows)
+    plain = [i for i, r in enumerate(rows) if r.plain]
+    parts: list[tuple[list[int], torch.Tensor]] = []  # (row positions, their ids on device)
+    if plain:
+        parts.append((plain, _argmax(rows, plain)))
+    rest = [i for i in range(n) if not rows[i].plain]
+    asking: list[int] = []
+    logp = None
+    if rest:
+        scores = _filters(_gather(rows, rest).clone(), rows, rest)  # (M, V): our copy, changed in place
+        greedy = [j for j, i in enumerate(rest) if rows[i].params.greedy]
+        if greedy:
+            parts.append(([rest[j] for j in greedy], torch.argmax(scores[greedy], dim=-1)))
+        drawing = [j for j, i in enumerate(rest) if not rows[i].params.greedy]
+        groups: dict[tuple[float, int, float], list[int]] = {}
+        for j in drawing:
+            p = rows[rest[j]].params
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(j)
+        for (temperature, top_k, top_p), members in groups.items():
+            index = torch.tensor(members, device=scores.device)
+            warped = _warpers(temperature, top_k, top_p)(None, scores.index_select(0, index))
+            scores[index] = warped
+            probs = torch.softmax(warped, dim=-1)
+            drawn = [torch.multinomial(probs[k:k + 1], num_samples=1, generator=rows[rest[j]].generator)[0, 0]
+                     for k, j in enumerate(members)]
+            parts.append(([rest[j] for j in members], torch.stack(drawn)))
+        asking_j = [j for j, i in enumerate(rest) if rows[i].logprobs >= 0]
+        asking = [rest[j] for j in asking_j]
+        if asking_j:
+            logp = torch.log_softmax(scores[asking_j], dim=-1)  # (N, V)
+    device = parts[0][1].device
+    ids = torch.empty(n, dtype=torch.long, device=device)
+    for where, values in parts:
+        ids[torch.tensor(where, device=device)] = values
     if not asking:
         (tokens,) = _host_read(ids)  # the step's one host read
         return [SampleResult(int(t)) for t in tokens]
-    logp = torch.log_softmax(torch.cat([scores[i] for i in asking]), dim=-1)  # type: ignore[misc]  # (N, V)
-    picked = logp.gather(1, ids[asking].unsqueeze(1))[:, 0]  # (N,)
-    k = min(max(rows[i].logprobs for i in asking), logp.shape[-1])
-    top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (picked[:, None], ids[asking][:, None])  # (N, k)
+    picked = logp.gather(1, ids[asking].unsqueeze(1))[:, 0]  # type: ignore[union-attr]  (N,)
+    k = min(max(rows[i].logprobs for i in asking), logp.shape[-1])  # type: ignore[union-attr]
+    top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (picked[:, None], ids[asking][:, None])  # type: ignore[union-attr]
     tokens, picked_h, top_vh, top_ih = _host_read(ids, picked, top_v, top_i)  # the step's one host read
     where = {i: j for j, i in enumerate(asking)}
     results = []

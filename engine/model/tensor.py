@@ -8,16 +8,60 @@ The engine binds this class as ``max.driver.Tensor`` so all of those round-trip.
 ``to_numpy()`` returns a float32 host *copy* (float16 logits would overflow the ``-1e9`` masks
 mods write; a copy keeps a mod's in-place edits from leaking into the engine's tensors). On a
 GPU the copy happens only when a mod asks for it.
+
+A step's logits reach mods through :class:`HostLogits`: when the first mod of a step reads its
+logits, the rows of every request with mods are copied to the host at once (one copy, not one per
+request), and each row's first ``to_numpy()`` is a writable view of that copy — its own, as no
+other reader ever sees it (a second read of the same row gets a fresh copy). ``from_numpy`` of
+such a view (the usual edit-and-return of a logits mod) wraps it without copying again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import threading
+import weakref
+
 import numpy as np
 import torch
 
-__all__ = ["TensorShim", "as_torch"]
+__all__ = ["TensorShim", "HostLogits", "as_torch"]
+
+# the host copies HostLogits lent out, by id: from_numpy wraps a view of one without a copy
+_LENT: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
+
+
+class HostLogits:
+    """One step's logits ``(B, V)`` as the mods of the requests in ``rows`` read them: one float32
+    host copy of those rows, made at the first read; each row's first :meth:`lend` is a ``(1, V)``
+    view of it, later ones None (the reader copies)."""
+
+    def __init__(self, batch: torch.Tensor, rows: list[int] | None = None) -> None:
+        self.batch = batch
+        self.slot = {row: j for j, row in enumerate(rows or ())}
+        self._host: np.ndarray | None = None
+        self._lent: set[int] = set()
+        self._lock = threading.Lock()  # mods of different requests may run on different threads
+
+    def add(self, row: int) -> None:
+        """Row ``row``'s mods may read it (before anything is lent)."""
+        self.slot.setdefault(row, len(self.slot))
+
+    def lend(self, row: int) -> np.ndarray | None:
+        j = self.slot.get(row)
+        if j is None:
+            return None
+        with self._lock:
+            if row in self._lent:
+                return None
+            self._lent.add(row)
+            if self._host is None:
+                rows = torch.tensor(list(self.slot), device=self.batch.device)
+                host = self.batch.index_select(0, rows).to(dtype=torch.float32).cpu().numpy()  # (M, V): a copy
+                _LENT[id(host)] = host
+                self._host = host
+            return self._host[j:j + 1]
 
 
 class TensorShim:
@@ -26,11 +70,30 @@ class TensorShim:
     while the payload records a Noop, so writes raise. A mod changes logits by returning
     ``AdjustedLogits`` with an edited copy (``to_numpy()`` already returns a copy)."""
 
-    __slots__ = ("_tensor", "_readonly")
+    __slots__ = ("_view", "_readonly", "_source", "_host")
 
     def __init__(self, tensor: torch.Tensor, *, readonly: bool = False) -> None:
-        self._tensor = tensor
+        self._view = tensor
         self._readonly = readonly
+        self._source: tuple[torch.Tensor, int] | None = None
+        self._host: HostLogits | None = None
+
+    @classmethod
+    def row(cls, batch: torch.Tensor, index: int, host: HostLogits | None = None) -> "TensorShim":
+        """Read-only ``(1, V)`` row ``index`` of ``batch (B, V)``: the view is made when the tensor
+        is first used (a step hands every request its logits; most are never read); ``host``: the
+        step's host copy for mods, if this row is in it."""
+        shim = cls.__new__(cls)
+        shim._view, shim._readonly, shim._source, shim._host = None, True, (batch, index), host
+        return shim
+
+    @property
+    def _tensor(self) -> torch.Tensor:
+        view = self._view
+        if view is None:
+            batch, index = self._source  # type: ignore[misc]
+            view = self._view = batch[index:index + 1]
+        return view
 
     def _check_writable(self) -> None:
         if self._readonly:
@@ -39,7 +102,12 @@ class TensorShim:
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> "TensorShim":
-        """Wrap a host copy of ``array``; move it with ``.to(device)`` if needed."""
+        """Wrap a host copy of ``array``; move it with ``.to(device)`` if needed. A view of a
+        step's logits lent to a mod (its first ``to_numpy()``) is wrapped as it is: it is already
+        the mod's own copy."""
+        base = getattr(array, "base", None)
+        if base is not None and _LENT.get(id(base)) is base and array.dtype == np.float32:
+            return cls(torch.from_numpy(array))
         return cls(torch.from_numpy(np.array(array, copy=True)))
 
     @property
@@ -48,6 +116,10 @@ class TensorShim:
         return self._tensor
 
     def to_numpy(self) -> np.ndarray:
+        if self._host is not None:
+            lent = self._host.lend(self._source[1])  # type: ignore[index]
+            if lent is not None:
+                return lent
         host = self._tensor.detach()
         if host.is_floating_point():
             host = host.to(dtype=torch.float32)

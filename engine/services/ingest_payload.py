@@ -182,7 +182,8 @@ class PayloadBuilder:
         self._created = datetime.now(timezone.utc).timestamp()
         self._request = {"request_id": request_id, **request}
         self._events: list[dict[str, Any]] = []
-        self._top: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor]] = []
+        # per ForwardPass record: the step's batch top log-probs (B, k) and ids (B, k), and the row
+        self._top: list[tuple[dict[str, Any], torch.Tensor, torch.Tensor, int]] = []
         self._mod_calls: list[dict[str, Any]] = []
         self._mod_logs: list[dict[str, Any]] = []
         self._actions: list[dict[str, Any]] = []
@@ -192,9 +193,10 @@ class PayloadBuilder:
 
     # ------------------------------------------------------------------------ during the loop
 
-    def event(self, event: ModEvent, top: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
-        """Record ``event``; for a ForwardPass, ``top`` is its logits' top log-probs and ids as the
-        backend computed them for the whole batch (the record's ``top_tokens``; none without)."""
+    def event(self, event: ModEvent, top: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> int:
+        """Record ``event``; for a ForwardPass, ``top`` is ``(values (B, k), ids (B, k), row)``: the
+        top log-probs and ids the backend computed for the whole batch, and this request's row
+        (the record's ``top_tokens``; none without)."""
         index = len(self._events)
         record: dict[str, Any] = {
             "event_type": type(event).__name__,
@@ -219,13 +221,13 @@ class PayloadBuilder:
         return index
 
     def _record_forward(self, record: dict[str, Any], event: ForwardPass,
-                        top: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                        top: tuple[torch.Tensor, torch.Tensor, int] | None) -> None:
         ids = event.input_ids or []  # the event's own list: read, never kept or changed
         fed = ids if self._fed_upto is None else (ids[self._fed_upto:] or ids[-1:])
         self._fed_upto = len(ids)
         self._texts.add(record, "input_text", fed, _INPUT_TEXT_CHARS)
         if top is not None:  # stays on device until build: no per-step sync
-            self._top.append((record, top[0], top[1]))  # cut to TOP_TOKENS once, at build
+            self._top.append((record, top[0], top[1], top[2]))  # cut to TOP_TOKENS once, at build
 
     def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]:
         indices: list[int | None] = []
@@ -359,13 +361,13 @@ class PayloadBuilder:
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON payload; call once, after the loop."""
         if self._top:
-            values = torch.stack([v for _, v, _ in self._top])[:, :TOP_TOKENS].cpu()  # one device→host copy
-            indices = torch.stack([i for _, _, i in self._top])[:, :TOP_TOKENS].cpu()
+            values = torch.stack([v[b] for _, v, _, b in self._top])[:, :TOP_TOKENS].cpu()  # one device→host copy
+            indices = torch.stack([i[b] for _, _, i, b in self._top])[:, :TOP_TOKENS].cpu()
             rows_i, rows_v = indices.tolist(), values.tolist()
             distinct = sorted({t for row in rows_i for t in row})
             texts = {t: text[-_TOKEN_TEXT_CHARS:]
                      for t, text in zip(distinct, _decode_all(self._tokenizer, [[t] for t in distinct]))}
-            for (record, _, _), row_i, row_v in zip(self._top, rows_i, rows_v):
+            for (record, _, _, _), row_i, row_v in zip(self._top, rows_i, rows_v):
                 record["top_tokens"] = [
                     {"token": t, "logprob": finite(lp), "token_str": texts[t],
                      "prob": math.exp(lp) if lp > -700 else 0.0}
