@@ -337,6 +337,7 @@ class Engine:
         """Runs on a finisher thread once the request left the batch."""
         state = entry.state
         try:
+            entry.machine.materialize()  # a request nobody watched step by step: its events now
             state.manager.close()
             state.manager.forced_queues.pop(state.request_id, None)
             state.manager.forced_reason_queues.pop(state.request_id, None)

@@ -120,6 +120,10 @@ class RequestMachine:
         self._plans = (state.plan.with_all_query_rows(False), state.plan.with_all_query_rows(True))
         self._wants_top = True  # the payload records each ForwardPass's top log-probs
         self._reads_logits = not self._mod_free  # its mods may read ForwardPass.logits
+        # no mod and no listener: nothing sees its step events as they happen, so each step is a
+        # compact trace entry (fast_step / fast_sample) and its events are made after it finished
+        self.fast = self._mod_free and state.on_event is None
+        self._trace: list[tuple[Any, ...]] = []
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
 
     @property
@@ -276,6 +280,62 @@ class RequestMachine:
         self._end_step()
         return None
 
+    def fast_step(self, now: float) -> SampleRow:
+        """:meth:`step` of a request nobody watches step by step (:attr:`fast`): no mod can act,
+        so the step samples; the ForwardPass is a trace entry (made an event by :meth:`materialize`)."""
+        state = self.state
+        state.step_committed = []
+        self._trace.append((ForwardPass, state.step, now, state.output, len(state.prompt_ids) + len(state.generated),
+                            state.sae_features))
+        return self._sample_row(_NO_ACTIONS)
+
+    def fast_sample(self, sample: SampleResult | None, now: float) -> bool:
+        """:meth:`on_sample` of a request nobody watches step by step: the token joins, reaches
+        the stream (held for :meth:`flush` when announcements overlap), the stop checks run;
+        Sampled and Added are trace entries."""
+        state = self.state
+        if sample is None or state.finish is not None:
+            self._end_step()
+            return False
+        hold = self.overlap and not state.request.attention_all_layers and state.sae_features is None
+        if hold:
+            self._outbox = []
+        self._trace.append((Sampled, state.step, now, sample.token))
+        tokens = self._join([sample.token], False, sample)
+        if tokens and state.finish is None:
+            self._trace.append((Added, state.step, now, tokens, False))
+        self._end_step()
+        if hold and state.finish is not None:  # it leaves the batch now: nothing to overlap
+            self.flush()
+            return False
+        return hold
+
+    def materialize(self) -> None:
+        """Make the trace of the fast path the events and payload records the mod path makes as
+        it goes, in the same order and with the same times (after the request left the batch,
+        off the loop's thread; its tokens only grew, so each ForwardPass's input ids are a
+        prefix of the final sequence)."""
+        state, trace = self.state, self._trace
+        if not trace:
+            return
+        self._trace = []
+        tokens = state.tokens
+        for entry in trace:
+            kind = entry[0]
+            top = None
+            if kind is ForwardPass:
+                _, step, at, output, length, encoded = entry
+                event: ModEvent = self._forward_event_of(output, step, tokens[:length], encoded)
+                top = output.top_source
+            elif kind is Sampled:
+                _, step, at, token = entry
+                event = Sampled(state.request_id, step, token)
+            else:
+                _, step, at, added, forced = entry
+                event = Added(state.request_id, step, added, forced)
+            state.events.append(event)
+            state.payload.event(event, top, at=at)
+
     def _sample_row(self, plan: StepPlan) -> SampleRow:
         """What this step samples from: the (possibly adjusted) logits, the sampling values, and
         what changes per step — stop tokens held back before ``min_tokens``, the grammar's mask
@@ -344,19 +404,24 @@ class RequestMachine:
     def _commit(self, tokens: list[int], *, forced: bool, sample: SampleResult | None = None) -> Phase[None]:
         """The step's tokens join the sequence, reach the stream, and Added is dispatched."""
         state = self.state
+        tokens = self._join(tokens, forced, sample)
+        if state.finish is not None:  # a sample the grammar refused: the request ended
+            return
+        self.actions.apply_added_actions(
+            (yield from self._dispatch(Added(state.request_id, state.step, list(tokens), forced))))
+
+    def _join(self, tokens: list[int], forced: bool, sample: SampleResult | None) -> list[int]:
+        """The tokens join the sequence and reach the stream; those that joined."""
+        state = self.state
         features = attention = None
         if sample is not None and state.stream is not None:
             features = self._features(newest_only=True)
             if state.request.attention_all_layers:
                 attention = _attention_rows(state.output)  # type: ignore[arg-type]
         tokens = list(state.append(tokens, sample))
-        if tokens:
-            self._announce(state.stream.committed if state.stream is not None else None,
-                           (tokens, forced, sample, attention, features))
-        if state.finish is not None:  # a sample the grammar refused: the request ended
-            return
-        self.actions.apply_added_actions(
-            (yield from self._dispatch(Added(state.request_id, state.step, list(tokens), forced))))
+        if tokens and state.stream is not None:
+            self._announce(state.stream.committed, (tokens, forced, sample, attention, features))
+        return tokens
 
     def _commit_silently(self, tokens: list[int]) -> None:
         """Forced tokens with no Added of their own (Added-phase ForceTokens, Backtrack's tokens)."""
@@ -441,6 +506,12 @@ class RequestMachine:
         if not newest_only:
             return SAEFeatures(encoded.indices.cpu().numpy(), encoded.values.float().cpu().numpy(), encoded.release,
                                encoded.layer)
+        return self._newest_features(encoded)
+
+    def _newest_features(self, encoded: Any) -> SAEFeatures | None:
+        """The newest row of an inline SAE encoding (``(k,)`` indices and values)."""
+        if encoded is None:
+            return None
         # ForwardPass and the stream both want the newest row: one host copy per forward, and each
         # reader gets arrays of its own (a mod may write into what it is handed)
         if self._newest is None or self._newest[0] is not encoded:
@@ -464,19 +535,26 @@ class RequestMachine:
 
     def _forward_event(self) -> ForwardPass:
         state = self.state
-        output = state.output
-        assert output is not None  # built only when the step is ready
-        hidden = output.captured.hidden.get(state.event_layer)
-        attention = output.captured.attention.get(state.event_layer)
+        assert state.output is not None  # built only when the step is ready
+        return self._forward_event_of(state.output, state.step, state.tokens, state.sae_features, self._host)
+
+    def _forward_event_of(self, output: RowOutput, step: int, input_ids: list[int], encoded: Any,
+                          host: Any = None) -> ForwardPass:
+        layer = self.state.event_layer
+        hidden = output.captured.hidden.get(layer)
+        attention = output.captured.attention.get(layer)
         return ForwardPass(
-            state.request_id, state.step, _logits_shim(output, self._host),  # (1, V)
+            self.state.request_id, step, _logits_shim(output, host),  # (1, V)
             hidden_states=_shim(hidden if hidden is None or hidden.shape[0] == 1 else hidden[-1:]),  # (1, d)
             attention_patterns=_shim(attention if attention is None or attention.shape[1] == 1
                                      else attention[:, -1:, :]),  # (h, 1, kv)
-            layer=state.event_layer,
-            input_ids=state.tokens,
-            sae_features=self._features(newest_only=True),  # (k,)
+            layer=layer,
+            input_ids=input_ids,
+            sae_features=self._newest_features(encoded),  # (k,)
         )
+
+
+_NO_ACTIONS = StepPlan()  # a step no mod acted on (never changed: read only)
 
 
 def join_chunks(parts: Sequence[tuple[ForwardRow, RowOutput]]) -> tuple[ForwardRow, RowOutput]:

@@ -232,13 +232,22 @@ class StepLoop:
         if output:
             self._forward(output)
         self._flush_held()  # when no forward ran
+        now = time.time()  # the step's events' time
         ready = [e for e in self.scheduler.running if e.machine.ready]
-        rows = drive([(e.machine, e.machine.step()) for e in ready], self.mod_calls)
-        sampling = [(e, row) for e, row in zip(ready, rows) if row is not None and not e.machine.finished]
+        fast = [e for e in ready if e.machine.fast]  # nobody watches them step by step
+        watched = [e for e in ready if not e.machine.fast]
+        rows = [run_guarded(e.machine, lambda m=e.machine: m.fast_step(now)) for e in fast]
+        rows += drive([(e.machine, e.machine.step()) for e in watched], self.mod_calls)
+        sampling = [(e, row) for e, row in zip(fast + watched, rows) if row is not None and not e.machine.finished]
         samples = self._sample(sampling)
         self._sampled_at = time.perf_counter() if sampling else None
-        held = drive([(e.machine, e.machine.on_sample(s)) for (e, _), s in zip(sampling, samples)], self.mod_calls)
-        self._held += [e for (e, _), hold in zip(sampling, held) if hold]
+        split = sum(1 for e, _ in sampling if e.machine.fast)  # the fast ones come first
+        for (entry, _), sample in zip(sampling[:split], samples[:split]):
+            if run_guarded(entry.machine, lambda m=entry.machine, s=sample: m.fast_sample(s, now)):
+                self._held.append(entry)
+        held = drive([(e.machine, e.machine.on_sample(s)) for (e, _), s in zip(sampling[split:], samples[split:])],
+                     self.mod_calls)
+        self._held += [e for (e, _), hold in zip(sampling[split:], held) if hold]
         self.stats.steps += 1
         self._retire()
 

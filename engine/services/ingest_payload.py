@@ -193,16 +193,19 @@ class PayloadBuilder:
 
     # ------------------------------------------------------------------------ during the loop
 
-    def event(self, event: ModEvent, top: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> int:
+    def event(self, event: ModEvent, top: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+              at: float | None = None) -> int:
         """Record ``event``; for a ForwardPass, ``top`` is ``(values (B, k), ids (B, k), row)``: the
         top log-probs and ids the backend computed for the whole batch, and this request's row
-        (the record's ``top_tokens``; none without)."""
+        (the record's ``top_tokens``; none without). ``at``: when it happened (epoch seconds;
+        default now), for an event recorded after the fact."""
         index = len(self._events)
         record: dict[str, Any] = {
             "event_type": type(event).__name__,
             "step": int(event.step),
             "sequence_order": index,
-            "created_at": time.time(),  # what datetime.now(utc).timestamp() reads, at a tenth of the cost
+            # time.time() is what datetime.now(utc).timestamp() reads, at a tenth of the cost
+            "created_at": time.time() if at is None else at,
         }
         if isinstance(event, Prefilled):
             record["prompt_length"] = len(event.input_ids or getattr(event.context_info, "tokens", []) or [])
