@@ -121,3 +121,75 @@ def transformer_lens_model(family: str, path: Path, hf_model: Any) -> Any:
     model.load_and_process_state_dict(state, fold_ln=False, center_writing_weights=False, center_unembed=False,
                                       fold_value_biases=False, refactor_factored_attn_matrices=False)
     return model.eval()
+
+
+# ----------------------------------------------------------------------------- release SAEs
+
+#: family → the registry release (engine/services/sae.py) whose cfg its test SAE takes; Qwen has no
+#: sae-lens release, so its families take a locally trained SAE's cfg (raylens' own format).
+FAMILY_RELEASES: dict[str, str | None] = {
+    "llama": "llama_scope_lxr_8x", "mistral": "mistral-7b-res-wg", "qwen2": None, "qwen3": None,
+    "gemma2": "gemma-scope-2b-pt-res-canonical", "gemma3": "gemma-scope-2-1b-pt-res", "gpt2": "gpt2-small-res-jb",
+    "gpt_neox": "pythia-70m-deduped-res-sm",
+}
+SAE_WIDTH = 256
+
+
+def release_cfg(release: str | None, layer: int) -> dict[str, Any]:
+    """The flat cfg sae-lens builds when it loads ``release``'s SAE for ``layer`` (before it reads
+    any weight), with the tiny model's widths. Gemma Scope's comes from sae-lens' own loader (it
+    needs no download); the others' cfgs live on the hub, so their routing fields are written from
+    the release table and the loaders: the hook the SAE id names (``blocks.L.hook_resid_pre`` for
+    GPT-2 res-jb and Mistral res-wg), the architecture, the input normalisation, and the
+    release's ``config_overrides`` (GPT-2 res-jb: ``center_writing_weights``) read from sae-lens'
+    table. Llama Scope's norm scaling is folded into its weights by ``SAE.from_pretrained``, which
+    then sets ``normalize_activations`` to none, as here."""
+    from sae_lens.loading.pretrained_sae_loaders import get_gemma_2_config_from_hf
+    from sae_lens.loading.pretrained_saes_directory import get_config_overrides, get_repo_id_and_folder_name
+
+    from engine.services.sae import resolve_sae
+
+    base = dict(d_in=WIDTH, d_sae=SAE_WIDTH, dtype="float32", device="cpu", apply_b_dec_to_input=False,
+                normalize_activations="none", hook_head_index=None, prepend_bos=True, context_size=128)
+    if release is None:  # a TopK SAE as raylens' own trainer writes it (pipelines/sae_training)
+        return {**base, "architecture": "topk", "k": 16, "hook_name": f"blocks.{layer}.hook_resid_post",
+                "model_name": "local"}
+    sae_id = resolve_sae(release).sae_id(layer)
+    overrides = get_config_overrides(release, sae_id)
+    if release == "gemma-scope-2b-pt-res-canonical":
+        repo, folder = get_repo_id_and_folder_name(release, sae_id)
+        cfg = get_gemma_2_config_from_hf(repo, folder, "cpu", cfg_overrides=overrides)
+        return {**cfg, "d_in": WIDTH, "d_sae": SAE_WIDTH}
+    by_release = {
+        "llama_scope_lxr_8x": dict(architecture="jumprelu", hook_name=f"blocks.{layer}.hook_resid_post",
+                                   model_name="meta-llama/Llama-3.1-8B"),
+        "gemma-scope-2-1b-pt-res": dict(architecture="jumprelu", hook_name=f"blocks.{layer}.hook_resid_post",
+                                        model_name="google/gemma-3-1b-pt",
+                                        hf_hook_name=f"model.layers.{layer}.output"),
+        "mistral-7b-res-wg": dict(architecture="standard", hook_name=sae_id, model_name="mistral-7b",
+                                  apply_b_dec_to_input=True),
+        "gpt2-small-res-jb": dict(architecture="standard", hook_name=sae_id, model_name="gpt2-small",
+                                  apply_b_dec_to_input=True),
+        "pythia-70m-deduped-res-sm": dict(architecture="standard", hook_name=sae_id, model_name="pythia-70m-deduped",
+                                          apply_b_dec_to_input=True),
+    }
+    return {**base, **by_release[release], **overrides}
+
+
+def build_release_sae(family: str, layer: int, root: Path) -> Path:
+    """``root/<family>-sae``: an SAE in sae-lens' on-disk format with ``release_cfg``'s cfg and
+    random weights (JumpReLU thresholds low enough that features fire)."""
+    import torch
+    from sae_lens import SAE
+    from sae_lens.loading.pretrained_sae_loaders import handle_config_defaulting
+
+    target = Path(root) / f"{family}-sae"
+    if (target / "cfg.json").is_file():
+        return target
+    sae = SAE.from_dict(handle_config_defaulting(release_cfg(FAMILY_RELEASES[family], layer)))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in sae.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * (0.05 if name == "threshold" else 1.0))
+    sae.save_model(target)
+    return target

@@ -191,7 +191,7 @@ def _store_actor_for(cfg: Any, db_path: str) -> Any | None:
 
 def _explain(cfg: Any, store: Any, args: argparse.Namespace) -> int:
     from engine.services.neuronpedia import NeuronpediaClient, NeuronpediaError, explain_features
-    from engine.services.sae import SAE_REGISTRY
+    from engine.services.sae import SAE_REGISTRY, format_for_layer
 
     if not cfg.sae.neuronpedia_url:
         raise NeuronpediaError("feature explanations are off: set sae.neuronpedia_url (e.g. https://www.neuronpedia.org)")
@@ -201,7 +201,7 @@ def _explain(cfg: Any, store: Any, args: argparse.Namespace) -> int:
     try:
         table = explain_features(store, client, sae_release=source.release if source and source.release else cfg.sae.sae_id,
                                  sae_layer=cfg.sae.layer,
-                                 neuronpedia_id=template.format(layer=cfg.sae.layer) if template else None,
+                                 neuronpedia_id=format_for_layer(template, cfg.sae.layer) if template else None,
                                  feature_ids=args.feature_ids, refresh=args.refresh)
     finally:
         client.close()

@@ -114,10 +114,12 @@ class FeatureSource:
         return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
     def neuronpedia_link(self, sae_release: str, sae_layer: int, feature_id: int) -> str | None:
+        from engine.services.sae import format_for_layer  # the browser needs no model: torch only when linking
+
         template = self.neuronpedia_ids.get(sae_release)
         if not self.neuronpedia_url or not template:
             return None
-        return f"{self.neuronpedia_url.rstrip('/')}/{template.format(layer=sae_layer)}/{int(feature_id)}"
+        return f"{self.neuronpedia_url.rstrip('/')}/{format_for_layer(template, sae_layer)}/{int(feature_id)}"
 
 
 def _source(request: Request) -> FeatureSource:
