@@ -111,3 +111,18 @@ def test_a_registry_sae_of_another_family_is_refused_before_it_downloads():
     with pytest.raises(SAEShapeError, match="must be an SAE of this model's family llama, got one trained on a gpt2"):
         SAEEncoder.load("gpt2-small-res-jb", layer=7, top_k=4, model_hidden_size=768, model_layers=12,
                         model_family="llama")
+
+
+@pytest.mark.parametrize("config,family", [("gemma2-2b.yaml", "gemma2"), ("gpt2-small.yaml", "gpt2"),
+                                           ("llama31-8b.yaml", "llama")])
+def test_each_production_config_pairs_its_model_with_an_sae_of_that_models_layer(config, family):
+    from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory
+
+    from engine.config import load_config
+    from tests.helpers import REPO
+
+    cfg = load_config(REPO / "configs" / config, env={})
+    source = SAE_REGISTRY[cfg.sae.sae_id]
+    assert source.family == family and cfg.sae.enabled
+    assert cfg.sae.layer == cfg.backend.hidden_state_layer  # events carry the layer the SAE reads
+    assert source.sae_id(cfg.sae.layer) in get_pretrained_saes_directory()[source.release].saes_map
