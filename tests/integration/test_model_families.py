@@ -17,6 +17,7 @@ For each family, against independent references:
   alone, and each mod changed its request (positive controls);
 * prefix caching on and off give the same events, internals and SAE features, with a real hit;
 * the static-buffer decode (what a CUDA graph replays) equals the eager one;
+* embeddings are transformers' hidden states pooled, and candidates are seeded samples;
 * an SAE with the cfg of that family's sae-lens release (random weights) loads, reads the right
   hook, and its stored features are its own encoding of the step's residual stream (centred for
   GPT-2 res-jb, as that release was trained).
@@ -189,6 +190,22 @@ def test_the_step_capture_equals_named_capture(eng, prompts, family):
     if family in SLIDING:  # layer 0 slides: no query attends a key WINDOW or more positions back
         assert float(np.abs(np.tril(pattern, -WINDOW)).max()) == 0.0
         assert float(np.abs(np.tril(pattern, -WINDOW + 1)).max()) > 0.0, "positive control: the window's edge"
+
+
+def test_embeddings_and_candidates(eng, reference, prompts, family):
+    """Embeddings are transformers' last hidden state (after the final norm) or layer 0's output,
+    mean-pooled; candidates are seeded samples, each the same as one sampled request."""
+    vectors, first = eng.embed(TEXTS), eng.embed(TEXTS, layer=0, pool="last")
+    for i, ids in enumerate(prompts):
+        with torch.inference_mode():
+            hidden = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        assert _relative_worst(vectors[i], hidden[-1][0].mean(0)) <= PARITY_RTOL, f"{family} text {i}"
+        assert _relative_worst(first[i], hidden[1][0, -1]) <= PARITY_RTOL, f"{family} text {i}, layer 0"
+    ids = prompts[1]
+    candidates = eng.candidates(input_ids=ids, n=3, seed=11, temperature=1.0, max_tokens=4)
+    assert len({tuple(c.token_ids) for c in candidates}) > 1, "positive control: the seeds drew different samples"
+    alone = eng.generate(input_ids=ids, seed=12, temperature=1.0, max_tokens=4)
+    assert list(alone.sequence_ids) in [list(c.token_ids) for c in candidates]
 
 
 # ----------------------------------------------------------------------------------- mods
