@@ -16,7 +16,8 @@ For each family, against independent references:
 * a mixed-length batch with a logits mod, a Backtrack and a steer gives each request what it gets
   alone, and each mod changed its request (positive controls);
 * prefix caching on and off give the same events, internals and SAE features, with a real hit;
-* the static-buffer decode (what a CUDA graph replays) equals the eager one;
+* the static-buffer decode (what a CUDA graph replays) equals the eager one, and on a GPU the
+  captured CUDA graphs generate what transformers does;
 * embeddings are transformers' hidden states pooled, and candidates are seeded samples;
 * an SAE with the cfg of that family's sae-lens release (random weights) loads, reads the right
   hook, and its stored features are its own encoding of the step's residual stream (centred for
@@ -149,6 +150,24 @@ def test_static_decode_equals_the_eager_decode(family, path, root, eng, prompts)
                     worst = _relative_worst(getattr(x, name).to_numpy(), getattr(y, name).to_numpy())
                     assert worst <= PARITY_RTOL, f"{family} step {x.step} {name}: {worst:.2g}"
         assert static.backend.graph_stats["static_steps"] > 0, "positive control: the static path ran"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the CPU runs their static buffers)")
+def test_cuda_graph_decode_equals_transformers_generate_on_a_gpu(family, path, root, prompts):
+    """On a GPU the decode steps are captured CUDA graphs, replayed: greedy output must still be
+    transformers' own, and every decode shape must have been captured (none fell back)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import Engine
+
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    with Engine(_config(family, path, root, device="cuda", dtype="float32", graph_decode="auto")) as gpu:
+        for ids in prompts:
+            assert _run(gpu, ids).sequence_ids == _greedy(reference, ids), f"{family}: {len(ids)}-token prompt"
+        decodes = list(gpu.backend._graphs.values())
+        assert decodes and gpu.backend.graph_stats["static_steps"] > 0, "positive control: graphs replayed"
+        failed = {str(d.key): d.capture_error for d in decodes if d.graph is None}
+        assert not failed, f"{family}: CUDA graph capture fell back to eager for {failed}"
 
 
 # ------------------------------------------------------------------------------ internals
