@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.model.capture import residual_stream
 from mods import Added, ForwardPass, Prefilled, mod
 from mods.features import steer_toward
 from tests.helpers import build_config
@@ -196,7 +197,7 @@ def test_every_shared_name_holds_transformer_lens_tensor(eng, path, reference, p
 
 def test_the_step_capture_equals_named_capture(eng, prompts, family):
     """The paged forward (our KV view and masks, chunked prefill) captures what the hooked plain
-    forward does: the residual stream after layer 0 at every prompt position, and layer 0's
+    forward (and SAE-training collection) does: the residual stream after layer 0 at every prompt position, and layer 0's
     attention (sliding-window layer in Gemma, every layer in Mistral)."""
     ids = max(prompts, key=len)
     result = _run(eng, ids)
@@ -204,6 +205,9 @@ def test_the_step_capture_equals_named_capture(eng, prompts, family):
     assert isinstance(prefilled, Prefilled)
     named = eng.capture(input_ids=ids, names=["blocks.0.hook_resid_post", "blocks.0.attn.hook_pattern"])
     assert _relative_worst(prefilled.hidden_states.to_numpy(), named["blocks.0.hook_resid_post"]) <= PARITY_RTOL
+    # SAE-training collection stops after the block it needs: the same tensor
+    collected = residual_stream(eng.backend.reference_model, torch.tensor([ids]), 0)[0]
+    assert _relative_worst(collected, named["blocks.0.hook_resid_post"]) <= PARITY_RTOL
     pattern = prefilled.attention_patterns.to_numpy()  # (h, T, T)
     assert _relative_worst(pattern, named["blocks.0.attn.hook_pattern"]) <= PARITY_RTOL
     if family in SLIDING:  # layer 0 slides: no query attends a key WINDOW or more positions back
