@@ -2,7 +2,8 @@
 
 Never ``model.generate``: mods intervene between every forward pass. The model is called with our
 own cache view (:class:`~engine.model.kv_cache.BatchCacheView`), explicit ``position_ids`` and a
-ready 4-D boolean mask, so transformers builds neither a mask nor a cache of its own; its attention
+ready 4-D boolean mask (one per kind of layer where some layers slide: :mod:`engine.model.masks`),
+so transformers builds neither a mask nor a cache of its own; its attention
 modules write each row's keys/values into that row's blocks. The internals rows ask for come from
 :mod:`engine.model.capture`; block tables, reservations and the prefix cache from
 :mod:`engine.model.kv_blocks`.
