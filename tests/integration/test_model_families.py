@@ -18,7 +18,8 @@ For each family, against independent references:
 * prefix caching on and off give the same events, internals and SAE features, with a real hit;
 * the static-buffer decode (what a CUDA graph replays) equals the eager one, and on a GPU the
   captured CUDA graphs generate what transformers does;
-* embeddings are transformers' hidden states pooled, and candidates are seeded samples;
+* embeddings are transformers' hidden states pooled, prompt scores its log-softmax, and
+  candidates are seeded samples;
 * an SAE with the cfg of that family's sae-lens release (random weights) loads, reads the right
   hook, and its stored features are its own encoding of the step's residual stream (centred for
   GPT-2 res-jb, as that release was trained).
@@ -215,9 +216,17 @@ def test_the_step_capture_equals_named_capture(eng, prompts, family):
         assert float(np.abs(np.tril(pattern, -WINDOW + 1)).max()) > 0.0, "positive control: the window's edge"
 
 
-def test_embeddings_and_candidates(eng, reference, prompts, family):
+def test_embeddings_scores_and_candidates(eng, reference, prompts, family):
     """Embeddings are transformers' last hidden state (after the final norm) or layer 0's output,
-    mean-pooled; candidates are seeded samples, each the same as one sampled request."""
+    mean-pooled; prompt scores are its log-softmax; candidates are seeded samples, each the same
+    as one sampled request."""
+    long = max(prompts, key=len)
+    scores = eng.score(long)
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(reference(torch.tensor([long])).logits[0].float(), -1)
+    expected = [None] + [float(logprobs[i - 1, t]) for i, t in enumerate(long) if i]
+    assert scores.logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(scores.logprobs[1:], expected[1:])) <= 1e-3, family
     vectors, first = eng.embed(TEXTS), eng.embed(TEXTS, layer=0, pool="last")
     for i, ids in enumerate(prompts):
         with torch.inference_mode():
