@@ -16,8 +16,9 @@ a model loaded with no weight processing (``fold_ln``, centring and the rest off
 them for every supported model family (tests/integration/test_transformer_lens_parity.py on the
 embedded model, tests/integration/test_model_families.py on a small random model of each family).
 A family computes a subset of the vocabulary (:class:`HookSet`, from :mod:`engine.model.families`).
-In particular ``ln*.hook_normalized`` is the norm output *before* its weight, as in TransformerLens; the weighted output, what the next
-projection reads, is ``ln*.hook_weighted``, a name TransformerLens lacks. Names beyond
+In particular ``ln*.hook_normalized`` is the norm output *before* its weight, as in
+TransformerLens; the weighted output, what the next projection reads, is ``ln*.hook_weighted``, a
+name TransformerLens lacks. Names beyond
 TransformerLens: ``ln*.hook_weighted``, and ``attn.cache_k``/``attn.cache_v``, the keys and values
 as the KV cache holds them after the pass. TransformerLens names raylens lacks:
 ``attn.hook_attn_scores`` (pre-softmax scores), ``unembed.hook_in``/``hook_out`` (the same tensors

@@ -200,7 +200,8 @@ def _explain(cfg: Any, store: Any, args: argparse.Namespace) -> int:
     template = source.neuronpedia_template if source else None
     client = NeuronpediaClient(cfg.sae.neuronpedia_url)
     try:
-        table = explain_features(store, client, sae_release=source.release if source and source.release else cfg.sae.sae_id,
+        release = source.release if source and source.release else cfg.sae.sae_id
+        table = explain_features(store, client, sae_release=release,
                                  sae_layer=cfg.sae.layer,
                                  neuronpedia_id=format_for_layer(template, cfg.sae.layer) if template else None,
                                  feature_ids=args.feature_ids, refresh=args.refresh)

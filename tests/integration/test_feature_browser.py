@@ -3,7 +3,8 @@
 Chromium is driven over the DevTools protocol (the viewer test's client) and the test waits on
 the page's own markers (``<body data-feature>``, ``<body data-request>``), never on time: search a
 feature, check its top context, histogram and firing rate, click through to the request, check the
-tokens coloured by the feature and the request's features ranked by specificity, dense ones flagged. The screenshot is kept under ``artifacts/``.
+tokens coloured by the feature and the request's features ranked by specificity, dense ones
+flagged. The screenshot is kept under ``artifacts/``.
 """
 
 from __future__ import annotations

@@ -198,8 +198,8 @@ def test_every_shared_name_holds_transformer_lens_tensor(eng, path, reference, p
 
 def test_the_step_capture_equals_named_capture(eng, prompts, family):
     """The paged forward (our KV view and masks, chunked prefill) captures what the hooked plain
-    forward (and SAE-training collection) does: the residual stream after layer 0 at every prompt position, and layer 0's
-    attention (sliding-window layer in Gemma, every layer in Mistral)."""
+    forward (and SAE-training collection) does: the residual stream after layer 0 at every prompt
+    position, and layer 0's attention (sliding-window layer in Gemma, every layer in Mistral)."""
     ids = max(prompts, key=len)
     result = _run(eng, ids)
     prefilled = result.events[0]

@@ -62,7 +62,8 @@ def test_each_family_computes_the_names_its_architecture_has(name, model_type, f
 
 def test_a_name_the_model_lacks_is_refused_with_the_models_own_names():
     gpt2 = hook_set(FAMILIES["gpt2"], _config("gpt2"))
-    with pytest.raises(InvalidRequestError, match="must be internals this model computes, got `blocks.0.attn.hook_rot_q`"):
+    with pytest.raises(InvalidRequestError,
+                       match="must be internals this model computes, got `blocks.0.attn.hook_rot_q`"):
         expand_hook_names(["blocks.0.attn.hook_rot_q"], 4, gpt2)
     everything = expand_hook_names(["*"], 4, gpt2)
     assert everything[:2] == [HookName(None, "hook_embed"), HookName(None, "hook_pos_embed")]
