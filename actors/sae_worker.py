@@ -27,10 +27,11 @@ __all__ = ["SAEWorkerActor"]
 @ray.remote
 class SAEWorkerActor:
     def __init__(self, sae: dict[str, Any], model_hidden_size: int, model_layers: int, model_id: str,
-                 store: Any, timeout_s: float = 120.0) -> None:
+                 store: Any, timeout_s: float = 120.0, model_family: str | None = None) -> None:
         cfg = SAEConfig(**sae)
         self.encoder = SAEEncoder.load(cfg.sae_id, layer=cfg.layer, top_k=cfg.top_k,
                                        model_hidden_size=model_hidden_size, model_layers=model_layers,
+                                       model_family=model_family,
                                        device=str(resolve_device(cfg.device)), dtype=cfg.dtype)
         self.model_id = model_id
         self.store = store

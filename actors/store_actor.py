@@ -30,7 +30,8 @@ _QUERIES = {
     "top_activating_tokens": queries.top_activating_tokens,
     # the feature browser's questions (pipelines/serve/features_api.py under Ray Serve)
     **{name: getattr(queries, name) for name in ("feature_frequency", "feature_histogram", "feature_contexts",
-                                                 "recent_requests", "request_info", "request_tokens")},
+                                                 "recent_requests", "request_info", "request_tokens",
+                                                 "dense_features")},
 }
 
 

@@ -156,7 +156,7 @@ class Engine:
 
         def local(threaded: bool) -> LocalTransport:
             encoder = SAEEncoder.load(sae.sae_id, layer=sae.layer, top_k=sae.top_k, model_hidden_size=info.hidden_size,
-                                      model_layers=info.num_layers,
+                                      model_layers=info.num_layers, model_family=info.family,
                                       device=info.device if sae.device == "auto" else sae.device, dtype=sae.dtype)
             return LocalTransport(encoder, write, missing, model_id=info.model_id, threaded=threaded)
 

@@ -15,6 +15,7 @@ __all__ = [
     "DeviceUnavailableError",
     "LayerOutOfRangeError",
     "ModelLoadError",
+    "UnsupportedModelError",
     "InvalidRequestError",
     "TokenOutOfVocabularyError",
     "ContextOverflowError",
@@ -55,6 +56,11 @@ class LayerOutOfRangeError(ConfigError):
 
 class ModelLoadError(RaylensError):
     """The model or tokenizer could not be found, converted or loaded."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model's architecture is not one of the supported families (engine/model/families.py).
+    Unrecoverable for that model: pick a model of a listed family."""
 
 
 class InvalidRequestError(RaylensError, ValueError):

@@ -23,6 +23,7 @@ import torch
 
 from engine.config import BackendConfig
 from engine.model.capture import CapturePlan, RowCapture
+from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, HookSet
 
 __all__ = ["Backend", "ModelInfo", "KVLayout", "ForwardRow", "ForwardBatch", "ForwardOutput", "RowOutput",
            "ForwardRecord", "FORWARD_TOP_K", "top_logprobs"]
@@ -55,6 +56,14 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     device: str
     dtype: str
+    family: str | None = None  # engine/model/families.py (None: a stand-in backend with no model)
+    block_hooks: tuple[str, ...] = BLOCK_HOOKS  # the per-block names this model computes
+    model_hooks: tuple[str, ...] = GLOBAL_HOOKS  # and its model-wide ones
+
+    @property
+    def hooks(self) -> HookSet:
+        """The names this model computes (every name of the vocabulary for a stand-in backend)."""
+        return HookSet(tuple(self.block_hooks), tuple(self.model_hooks))
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ Attention patterns
     Fast kernels (SDPA, flash) never materialise the softmax, and ``output_attentions=True`` would
     force the slow eager path on *every* layer. Instead the model runs with
     :data:`ATTENTION_IMPLEMENTATION`, registered through transformers' ``AttentionInterface``:
-    every layer calls SDPA as usual, and a layer some row asked for also computes the post-softmax
-    pattern of just those rows from their post-RoPE queries and cached keys — for decode steps only
-    the newest query row, ``(heads, 1, kv)``. No module hook is involved, so concurrent forwards
+    every layer calls SDPA as usual (a soft-capped layer, Gemma 2's, computes eager attention's
+    arithmetic instead: no SDPA kernel soft-caps), and a layer some row asked for also computes
+    the post-softmax pattern of just those rows from their post-RoPE queries and cached keys —
+    for decode steps only the newest query row, ``(heads, 1, kv)``. No module hook is involved, so concurrent forwards
     cannot see each other's captures; with nothing asked, the wrapper costs one dict lookup.
 """
 
@@ -47,7 +48,9 @@ __all__ = [
     "residual_stream",
 ]
 
-ATTENTION_IMPLEMENTATION = "raylens_sdpa"
+# Not "…sdpa…": transformers checks any implementation so named against the model's SDPA support,
+# and Gemma 2 (soft-capped attention) declares none; ours runs soft-capping eagerly itself.
+ATTENTION_IMPLEMENTATION = "raylens_capture"
 CAPTURE_KWARG = "raylens_attention"
 _STEP_HOOKS = ("hook_resid_post", "attn.hook_pattern")
 
@@ -162,16 +165,21 @@ def attention_pattern(
     scaling: float,
     kv_groups: int,
     newest_row_only: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Post-softmax attention ``(B, heads, q, kv)`` from ``query (B, heads, q, hd)`` and
     ``key (B, kv_heads, kv, hd)``; GQA key heads are repeated to the query heads, as eager does.
-    ``attention_mask``: ``(B, 1, q, kv)`` boolean (True = may attend) or additive float."""
+    ``attention_mask``: ``(B, 1, q, kv)`` boolean (True = may attend) or additive float.
+    ``softcap``: Gemma 2's attention logit soft-capping, ``softcap · tanh(scores / softcap)``
+    before the mask, as its eager attention does."""
     if newest_row_only:
         query = query[:, :, -1:, :]
         if attention_mask is not None:
             attention_mask = attention_mask[..., -1:, :]
     keys = key.repeat_interleave(kv_groups, dim=1) if kv_groups > 1 else key
     scores = torch.matmul(query.float(), keys.float().transpose(2, 3)) * scaling  # (B, h, q, kv)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_len, kv_len = scores.shape[-2], scores.shape[-1]
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
@@ -191,6 +199,10 @@ def _capture_attention_forward(module: Any, query: torch.Tensor, key: torch.Tens
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     capture: AttentionCapture | None = kwargs.pop(CAPTURE_KWARG, None)
+    softcap: float | None = kwargs.pop("softcap", None)
+    kwargs.pop("sliding_window", None)  # the mask we (or transformers' mask functions) built carries the window
+    scale = scaling if scaling is not None else module.scaling
+    groups = getattr(module, "num_key_value_groups", 1)  # GPT-2 and GPT-NeoX have no grouped heads
     if capture is not None:
         rows = capture.rows_for_layer.get(module.layer_idx)
         if rows:
@@ -199,11 +211,36 @@ def _capture_attention_forward(module: Any, query: torch.Tensor, key: torch.Tens
             pick = (lambda t: t) if every else (lambda t: t.index_select(0, index))
             capture.patterns[module.layer_idx] = attention_pattern(
                 pick(query), pick(key), pick(attention_mask) if attention_mask is not None else None,
-                scaling if scaling is not None else module.scaling, module.num_key_value_groups,
-                newest_row_only=not capture.all_query_rows,
+                scale, groups, newest_row_only=not capture.all_query_rows, softcap=softcap,
             )
+    if softcap is not None:
+        return _softcapped_attention(query, key, value, attention_mask, scale, groups, softcap)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                   **kwargs)
+
+
+def _softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, scaling: float, groups: int,
+                          softcap: float) -> tuple[torch.Tensor, None]:
+    """Gemma 2's attention with logit soft-capping, which no SDPA kernel does: its eager
+    attention's arithmetic (scores in the model dtype, softmax in float32) on ``query (B, h, q,
+    hd)``, ``key``/``value (B, g, kv, hd)`` → ``(B, q, h, hd)``, what the attention interface
+    returns."""
+    keys = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    values = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling  # (B, h, q, kv)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is None and scores.shape[-2] > 1:  # transformers skipped a plainly causal mask
+        q_len, kv_len = scores.shape[-2], scores.shape[-1]
+        query_pos = torch.arange(kv_len - q_len, kv_len, device=scores.device)[:, None]
+        attention_mask = torch.arange(kv_len, device=scores.device)[None, :] <= query_pos  # (q, kv)
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values).transpose(1, 2).contiguous(), None
 
 
 _register_lock = threading.Lock()

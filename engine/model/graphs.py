@@ -40,6 +40,7 @@ from engine.model.backend import top_logprobs
 from engine.model.capture import CAPTURE_KWARG, AttentionCapture, hidden_states_index
 from engine.model.kv_cache import (SCRATCH_BLOCK, BatchCacheView, PagedKVCache, cache_argument, read_slots,
                                    write_slots)
+from engine.model.masks import AttentionMasks
 
 __all__ = ["GraphKey", "StaticDecode", "batch_bucket", "length_bucket"]
 
@@ -79,6 +80,7 @@ class StaticDecode:
     def __init__(self, model: Any, cache: PagedKVCache, key: GraphKey, *, capture: bool, pool: Any = None,
                  compile: bool = False) -> None:
         self.model, self.key, self.cache = model, key, cache
+        self.masks = AttentionMasks.of(model)  # model families: sliding layers get their own mask
         device = cache.device
         b, length = key.batch, key.kv_len
         self.blocks = -(-length // cache.block_size)
@@ -112,7 +114,7 @@ class StaticDecode:
                             self.capture_error)
 
     def _forward(self) -> "DecodeOutputs":
-        mask = self.key_positions[None, None, None, :] <= self.positions[:, None, :, None]  # (B, 1, 1, L)
+        mask = self.masks.build(self.key_positions, self.positions)  # (B, 1, 1, L), per layer type where needed
         bs = self.cache.block_size
         view = BatchCacheView(self.cache, write_slots(self.tables, self.positions, bs),
                               read_slots(self.tables, self.key.kv_len, bs), self.key.kv_len)

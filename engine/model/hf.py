@@ -2,7 +2,8 @@
 
 Never ``model.generate``: mods intervene between every forward pass. The model is called with our
 own cache view (:class:`~engine.model.kv_cache.BatchCacheView`), explicit ``position_ids`` and a
-ready 4-D boolean mask, so transformers builds neither a mask nor a cache of its own; its attention
+ready 4-D boolean mask (one per kind of layer where some layers slide: :mod:`engine.model.masks`),
+so transformers builds neither a mask nor a cache of its own; its attention
 modules write each row's keys/values into that row's blocks. The internals rows ask for come from
 :mod:`engine.model.capture`. It is a model runner: it holds the model and the KV pool's tensors and
 no request or block state — each step's :class:`~engine.model.backend.ForwardBatch` brings every
@@ -39,6 +40,7 @@ from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_buc
 from engine.model.hook_names import resid_post
 from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
+from engine.model.masks import AttentionMasks
 from engine.model.taps import taps_of
 
 __all__ = ["HuggingFaceBackend"]
@@ -61,6 +63,7 @@ class HuggingFaceBackend:
             attn_implementation=ensure_attention_registered(), hf_token=config.hf_token,
         )
         self._taps = taps_of(self.model)  # every named internal's module, resolved once for this model
+        self._masks = AttentionMasks.of(self.model, self._taps.family)  # model families: sliding layers' masks
         mc = self.model.config
         self.layer = check_layer(config.hidden_state_layer, mc.num_hidden_layers)
         max_context = int(getattr(mc, "max_position_embeddings", 0) or 2**31 - 1)
@@ -75,6 +78,7 @@ class HuggingFaceBackend:
             eos_token_ids=self._eos_ids(),
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            family=self._taps.family.name, block_hooks=self._taps.hooks.block, model_hooks=self._taps.hooks.model,
         )
         self._max_sequence = min(config.max_sequence or max_context, max_context)
         head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
@@ -209,8 +213,8 @@ class HuggingFaceBackend:
         ids = torch.tensor([[0] * (q - len(r.tokens)) + list(r.tokens) for r in rows], dtype=torch.long,
                            device=self.device)  # (B, q)
         key_pos = torch.arange(view.kv_len, device=self.device)
-        mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, q, kv): causal per row
-        # padding columns (position 0 in the map) see key 0 only, so no query row is all -inf
+        # (B, 1, q, kv) causal per row, sliding where a layer slides (engine/model/masks.py; model families)
+        mask = self._masks.build(key_pos, positions)
         plans = [r.plan for r in rows]
         hidden_layers = sorted({layer for p in plans for layer in p.hidden_layers})
         kwargs: dict[str, Any] = {}

@@ -26,6 +26,7 @@ from typing import Any
 import platformdirs
 
 from engine.errors import ModelLoadError
+from engine.model.families import family_for_architectures
 
 __all__ = ["EmbeddedModel", "EMBEDDED_MODELS", "EMBEDDED_PREFIX", "resolve_model_path", "load_model_and_tokenizer"]
 
@@ -126,12 +127,16 @@ def load_model_and_tokenizer(
     model_id: str, *, cache_dir: str | None, device: Any, dtype: Any, attn_implementation: str,
     hf_token: str | None,
 ) -> tuple[Any, Any]:
-    """Load weights and tokenizer onto ``device``; errors say what to fix."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load weights and tokenizer onto ``device``; errors say what to fix. A model whose
+    architecture is not a supported family (:mod:`engine.model.families`) is refused from its
+    config, before any weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(model_id, cache_dir)
     started = time.perf_counter()
     try:
+        config = AutoConfig.from_pretrained(path, token=hf_token)
+        family_for_architectures(config.architectures, model_id)
         tokenizer = AutoTokenizer.from_pretrained(path, token=hf_token)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, token=hf_token

@@ -58,11 +58,13 @@ def capture(model: Any, input_ids: Sequence[int], names: Sequence[str], *, out: 
     from transformers import DynamicCache
 
     taps: Taps = taps_of(model)
-    wanted = expand_hook_names(names, taps.num_layers)
+    wanted = expand_hook_names(names, taps.num_layers, taps.hooks)
     ids = check_input_ids(taps.model, input_ids)
     device = next(taps.model.parameters()).device
     tensor_ids = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
-    cache = DynamicCache(config=taps.model.config)
+    # no config: every layer keeps every position, as the paged cache does — a config would give
+    # sliding-window layers (Gemma, Mistral) a cache that drops what lies outside the window
+    cache = DynamicCache()
     with taps.record(wanted) as rec, torch.inference_mode():
         taps.base(input_ids=tensor_ids, use_cache=True, **cache_argument(taps.base, cache))
     captured = {str(name): tensor[0] for name, tensor in rec.tensors(cache).items()}

@@ -1,15 +1,15 @@
 """One taps table per loaded model: where a forward pass exposes each named internal.
 
 Names are the TransformerLens vocabulary of :mod:`engine.model.hook_names` (with llama.cpp's name
-for each tensor in its :class:`~engine.model.hook_names.HookSpec`). :func:`taps_of` walks a
-Llama-family transformers model once, when the backend loads it (``embed_tokens``,
-``layers[L].{input_layernorm, self_attn.{q,k,v,o}_proj, post_attention_layernorm,
-mlp.{gate,up,down}_proj}``, ``norm``), and records, for every name, the :class:`Read` points it needs: a
-module, before (``pre``) or after (``post``) it runs, and which argument or output holds the
-tensor. Every consumer of internals that needs module hooks goes through the table — named
-capture, embeddings, SAE-training collection and steering (a *write* tap) — so a name is parsed
-once into a :class:`HookName` and mapped to a module once, at load time; nothing matches on name
-strings while a forward runs.
+for each tensor in its :class:`~engine.model.hook_names.HookSpec`). :func:`taps_of` builds the
+table once, when the backend loads the model, from the model's family entry
+(:mod:`engine.model.families`: Llama, Mistral, Qwen2/3, Gemma 2/3, GPT-2, GPT-NeoX) through
+:mod:`engine.model.tap_points`, and records, for every name the family computes, the
+:class:`Read` points it needs: a module, before (``pre``) or after (``post``) it runs, and which
+argument or output holds the tensor. Every consumer of internals that needs module hooks goes
+through the table — named capture, embeddings, SAE-training collection and steering (a *write*
+tap) — so a name is parsed once into a :class:`HookName` and mapped to a module once, at load
+time; nothing matches on name strings while a forward runs.
 
 Step capture (a generation step's ``hook_resid_post`` and ``attn.hook_pattern``) registers no
 module hook: it rides on transformers' ``output_hidden_states`` and on the attention function
@@ -24,13 +24,15 @@ are registered another thread may run a forward on the same model (the engine se
 requests); a hook acts only in the thread that opened it, so other forwards pass straight through.
 
 Some names are derived from several reads: ``attn.hook_q/k/v/z`` reshape a projection's flat
-output into heads; ``attn.hook_rot_q/rot_k`` apply the model's own ``apply_rotary_pos_emb`` to the
-projections with the ``position_embeddings`` the attention module was handed; ``attn.hook_pattern``
-is the softmax of those with the module's mask (the model keeps SDPA, never eager); and
-``attn.cache_k/cache_v`` are read from the forward's ``DynamicCache`` afterwards; an RMSNorm's
+output (or its slice of a fused one) into heads; ``attn.hook_rot_q/rot_k`` apply the model's own
+``apply_rotary_pos_emb`` (partial rotary included) to the projections, after the q/k norms where
+the family has them, with the ``position_embeddings`` the attention module was handed;
+``attn.hook_pattern`` is the softmax of those (soft-capped where the module soft-caps) with the
+module's own mask (sliding windows included; the model keeps its fast kernel, never eager); and
+``attn.cache_k/cache_v`` are read from the forward's ``DynamicCache`` afterwards. A norm's
 ``hook_scale`` and ``hook_normalized`` (before its weight, TransformerLens' meaning) are computed
-from the norm's input with its own epsilon, because transformers' RMSNorm applies its weight in
-the same expression.
+from the norm's input with its own epsilon — RMSNorm: ``x / sqrt(mean(x²) + eps)``; LayerNorm:
+the input centred first — because transformers' norms apply their weight in the same expression.
 """
 
 from __future__ import annotations
@@ -40,124 +42,17 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from engine.errors import InvalidRequestError
 from engine.model.capture import attention_pattern
-from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, HookName, HookSpec, parse_hook_name
+from engine.model.families import Family, family_of, get_path
+from engine.model.hook_names import HookName, HookSet, parse_hook_name
+from engine.model.tap_points import Derive, Read, ReadKey, Tap, build_reads, build_taps, head_dim
 
 __all__ = ["Read", "ReadKey", "Tap", "Taps", "Recording", "taps_of"]
-
-
-@dataclass(frozen=True)
-class ReadKey:
-    """One raw read: ``layer`` (None: model-wide) and the point inside it, e.g. ``(3, "q")``."""
-
-    layer: int | None
-    point: str
-
-
-@dataclass(frozen=True)
-class Read:
-    """Where a forward is observed: ``module`` before it runs (``pre``: ``extract(args, kwargs)``)
-    or after (``post``: ``extract(output)``). ``writable``: the read is the module's whole output
-    (or its first element), so a write tap can replace it."""
-
-    key: ReadKey
-    module: Any
-    when: Literal["pre", "post"]
-    extract: Callable[..., Any]
-    writable: bool = False
-
-
-# How a name's tensor is formed from its reads.
-Derive = Literal["raw", "heads", "rot_q", "rot_k", "pattern", "cache_k", "cache_v", "rms_scale", "rms_normalized"]
-
-
-@dataclass(frozen=True)
-class Tap:
-    """One name's entry: the reads it needs and how they become its tensor."""
-
-    name: HookName
-    reads: tuple[ReadKey, ...]
-    derive: Derive
-
-    @property
-    def spec(self) -> HookSpec:
-        """Shape, description and llama.cpp alias (from :mod:`engine.model.hook_names`)."""
-        return self.name.spec
-
-
-def _first(value: Any) -> Any:
-    return value[0] if isinstance(value, tuple) else value
-
-
-def _hidden_arg(args: tuple, kwargs: dict) -> Any:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def _attention_inputs(args: tuple, kwargs: dict) -> tuple[Any, Any]:
-    return kwargs.get("position_embeddings"), kwargs.get("attention_mask")
-
-
-# Per block: name -> (reads, derive). Reads are points of the table below.
-_BLOCK_TAPS: dict[str, tuple[tuple[str, ...], Derive]] = {
-    "hook_resid_pre": (("resid_pre",), "raw"),
-    "ln1.hook_scale": (("ln1_in",), "rms_scale"),
-    "ln1.hook_normalized": (("ln1_in",), "rms_normalized"),
-    "ln1.hook_weighted": (("ln1",), "raw"),
-    "attn.hook_q": (("q",), "heads"),
-    "attn.hook_k": (("k",), "heads"),
-    "attn.hook_v": (("v",), "heads"),
-    "attn.hook_rot_q": (("q", "k", "attn_in"), "rot_q"),
-    "attn.hook_rot_k": (("q", "k", "attn_in"), "rot_k"),
-    "attn.cache_k": ((), "cache_k"),
-    "attn.cache_v": ((), "cache_v"),
-    "attn.hook_pattern": (("q", "k", "attn_in"), "pattern"),
-    "attn.hook_z": (("z",), "heads"),
-    "hook_attn_out": (("attn_out",), "raw"),
-    "hook_resid_mid": (("resid_mid",), "raw"),
-    "ln2.hook_scale": (("resid_mid",), "rms_scale"),
-    "ln2.hook_normalized": (("resid_mid",), "rms_normalized"),
-    "ln2.hook_weighted": (("ln2",), "raw"),
-    "mlp.hook_pre": (("mlp_gate",), "raw"),
-    "mlp.hook_pre_linear": (("mlp_up",), "raw"),
-    "mlp.hook_post": (("mlp_post",), "raw"),
-    "hook_mlp_out": (("mlp_out",), "raw"),
-    "hook_resid_post": (("resid_post",), "raw"),
-}
-
-
-_FINAL_TAPS: dict[str, tuple[str, Derive]] = {
-    "hook_scale": ("final_in", "rms_scale"),
-    "hook_normalized": ("final_in", "rms_normalized"),
-    "hook_weighted": ("final", "raw"),
-}
-
-
-def _block_reads(layer: int, block: Any) -> list[Read]:
-    attn, mlp = block.self_attn, block.mlp
-    k = lambda point: ReadKey(layer, point)  # noqa: E731
-    return [
-        Read(k("resid_pre"), block, "pre", _hidden_arg),
-        Read(k("ln1_in"), block.input_layernorm, "pre", _hidden_arg),
-        Read(k("ln1"), block.input_layernorm, "post", _first, writable=True),
-        Read(k("q"), attn.q_proj, "post", _first, writable=True),
-        Read(k("k"), attn.k_proj, "post", _first, writable=True),
-        Read(k("v"), attn.v_proj, "post", _first, writable=True),
-        Read(k("attn_in"), attn, "pre", _attention_inputs),
-        Read(k("z"), attn.o_proj, "pre", _hidden_arg),
-        Read(k("attn_out"), attn, "post", _first, writable=True),
-        Read(k("resid_mid"), block.post_attention_layernorm, "pre", _hidden_arg),
-        Read(k("ln2"), block.post_attention_layernorm, "post", _first, writable=True),
-        Read(k("mlp_gate"), mlp.gate_proj, "post", _first, writable=True),
-        Read(k("mlp_up"), mlp.up_proj, "post", _first, writable=True),
-        Read(k("mlp_post"), mlp.down_proj, "pre", _hidden_arg),
-        Read(k("mlp_out"), mlp, "post", _first, writable=True),
-        Read(k("resid_post"), block, "post", _first, writable=True),
-    ]
 
 
 class _StopForward(Exception):
@@ -191,13 +86,13 @@ class Recording:
         name, derive = tap.name, tap.derive
         if derive == "raw":
             return self.raw[tap.reads[0]]
-        if derive in ("rms_scale", "rms_normalized"):
-            return self._rms(tap, derive)
+        if derive in ("rms_scale", "rms_normalized", "layer_scale", "layer_normalized"):
+            return self._norm(tap, derive)
         layer: int = name.layer  # type: ignore[assignment]  (every derived tap is per block)
-        attn = self.taps.base.layers[layer].self_attn
+        attn = self.taps.attention(layer)
         if derive == "heads":
             flat = self.raw[tap.reads[0]]  # (B, T, heads * hd)
-            return flat.view(*flat.shape[:-1], -1, attn.head_dim)  # (B, T, heads, hd)
+            return flat.view(*flat.shape[:-1], -1, self.taps.head_dim)  # (B, T, heads, hd)
         if derive in ("cache_k", "cache_v"):
             if cache is None:
                 raise InvalidRequestError(f"`{name}` needs the forward's KV cache; run it with a DynamicCache",
@@ -205,7 +100,7 @@ class Recording:
             stored = cache.layers[layer].keys if derive == "cache_k" else cache.layers[layer].values
             return stored.transpose(1, 2)  # (B, g, T, hd) -> (B, T, g, hd): positions first, like hook_k
         if layer not in rotated:
-            rotated[layer] = self._rotate(attn, layer)
+            rotated[layer] = self._rotate(attn, tap)
         rot_q, rot_k = rotated[layer]  # (B, h, T, hd), (B, g, T, hd)
         if derive == "rot_q":
             return rot_q.transpose(1, 2)
@@ -213,36 +108,45 @@ class Recording:
             return rot_k.transpose(1, 2)
         mask = self.raw[ReadKey(layer, "attn_in")][1]
         heads, q_len, kv_len = rot_q.shape[1], rot_q.shape[2], rot_k.shape[2]
+        groups, softcap = getattr(attn, "num_key_value_groups", 1), getattr(attn, "attn_logit_softcapping", None)
         patterns = [attention_pattern(rot_q[b:b + 1], rot_k[b:b + 1], None if mask is None else mask[b:b + 1],
-                                      attn.scaling, attn.num_key_value_groups, newest_row_only=False)
+                                      attn.scaling, groups, newest_row_only=False, softcap=softcap)
                     .reshape(heads, q_len, kv_len) for b in range(rot_q.shape[0])]
         return torch.stack(patterns)  # (B, h, T, T) float32
 
-    def _rms(self, tap: Tap, derive: Derive) -> torch.Tensor:
-        """An RMSNorm's divisor ``(B, T, 1)`` or its output before the weight ``(B, T, d)``, from the
-        norm's input with the norm's own epsilon and float32 upcast (transformers' RMSNorm has no
-        point between the division and the weight to hook)."""
+    def _norm(self, tap: Tap, derive: Derive) -> torch.Tensor:
+        """A norm's divisor ``(…, 1)`` or its output before the weight ``(…, d)``, from the norm's
+        input with the norm's own epsilon in float32 (transformers' norms have no point between
+        the division and the weight to hook). A LayerNorm centres its input first."""
         key = tap.reads[0]
         norm = self.taps.reads[key].module  # the read is the norm's own input
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         x = self.raw[key]
-        variance = x.float().pow(2).mean(-1, keepdim=True) + eps
-        if derive == "rms_scale":
+        centred = x.float()
+        if derive.startswith("layer"):
+            centred = centred - centred.mean(-1, keepdim=True)
+        variance = centred.pow(2).mean(-1, keepdim=True) + eps
+        if derive.endswith("scale"):
             return variance.sqrt().to(x.dtype)
-        return (x.float() * torch.rsqrt(variance)).to(x.dtype)
+        return (centred * torch.rsqrt(variance)).to(x.dtype)
 
-    def _rotate(self, attn: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q/k after RoPE, exactly as the attention module computes them: ``(B, heads, T, hd)``."""
-        q, k = self.raw[ReadKey(layer, "q")], self.raw[ReadKey(layer, "k")]  # (B, T, h * hd), (B, T, g * hd)
-        cos, sin = self.raw[ReadKey(layer, "attn_in")][0]
+    def _rotate(self, attn: Any, tap: Tap) -> tuple[torch.Tensor, torch.Tensor]:
+        """q/k as the attention scores use them: ``(B, heads, T, hd)``, after the model's own RoPE
+        (and the q/k norms, where the family has them) exactly as the attention module computes
+        them; as projected for a model without RoPE (GPT-2)."""
+        q_key, k_key, inputs = tap.reads
+        q, k = self.raw[q_key], self.raw[k_key]  # flat (B, T, heads * hd), or normed (B, T, heads, hd)
+        hd = self.taps.head_dim
+        q = (q.view(*q.shape[:-1], -1, hd) if q.dim() == 3 else q).transpose(1, 2)
+        k = (k.view(*k.shape[:-1], -1, hd) if k.dim() == 3 else k).transpose(1, 2)
+        if not self.taps.family.rotary:
+            return q, k
+        cos, sin = self.raw[inputs][0]
         apply_rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
         if apply_rope is None:
             raise InvalidRequestError(f"post-RoPE q/k and attention patterns need the model module's "
                                       f"apply_rotary_pos_emb, which {type(attn).__module__} lacks",
                                       parameter="names")
-        hd = attn.head_dim
-        q = q.view(*q.shape[:-1], -1, hd).transpose(1, 2)
-        k = k.view(*k.shape[:-1], -1, hd).transpose(1, 2)
         return apply_rope(q, k, cos, sin)
 
 
@@ -250,29 +154,24 @@ class Taps:
     """The taps table of one loaded model; build it with :func:`taps_of` (once per model)."""
 
     def __init__(self, model: Any) -> None:
+        family = family_of(model)
         base = getattr(model, "base_model", model)
-        if not all(hasattr(base, attr) for attr in ("embed_tokens", "layers", "norm")):
-            raise InvalidRequestError(
-                f"taps need a Llama-family model (embed_tokens, layers, norm), got {type(model).__name__}",
-                parameter="model", value=type(model).__name__)
         self._model = weakref.ref(model)  # the model keeps its table (taps_of): no reference cycle back
+        self.family: Family = family
         self.base = base
-        self.num_layers = len(base.layers)
-        reads = [Read(ReadKey(None, "hook_embed"), base.embed_tokens, "post", _first, writable=True),
-                 Read(ReadKey(None, "final_in"), base.norm, "pre", _hidden_arg),
-                 Read(ReadKey(None, "final"), base.norm, "post", _first, writable=True)]
-        for layer, block in enumerate(base.layers):
-            reads += _block_reads(layer, block)
-        self.reads: dict[ReadKey, Read] = {read.key: read for read in reads}
-        taps = [Tap(HookName(None, "hook_embed"), (ReadKey(None, "hook_embed"),), "raw")]
-        for layer in range(self.num_layers):
-            for hook in BLOCK_HOOKS:  # the vocabulary's forward order; a hook without a tap fails here
-                points, derive = _BLOCK_TAPS[hook]
-                taps.append(Tap(HookName(layer, hook), tuple(ReadKey(layer, p) for p in points), derive))
-        taps += [Tap(HookName(None, f"ln_final.{hook}"), (ReadKey(None, point),), derive)
-                 for hook, (point, derive) in _FINAL_TAPS.items()]
+        self.blocks = get_path(base, family.layers)
+        self.num_layers = len(self.blocks)
+        self.head_dim = head_dim(base.config)
+        self.reads: dict[ReadKey, Read] = {read.key: read for read in build_reads(family, base, self.blocks)}
+        hooks, taps = build_taps(family, base.config, self.num_layers)
+        self.hooks: HookSet = hooks  # the names this model computes
         self.taps: dict[HookName, Tap] = {tap.name: tap for tap in taps}  # forward order
-        assert len(self.taps) == self.num_layers * len(BLOCK_HOOKS) + len(GLOBAL_HOOKS)
+        missing = {key for tap in taps for key in tap.reads} - set(self.reads)
+        assert not missing, f"taps of {family.name} need reads the family entry lacks: {sorted(map(str, missing))}"
+
+    def attention(self, layer: int) -> Any:
+        """Block ``layer``'s attention module (its scaling, soft-cap and RoPE come from there)."""
+        return get_path(self.blocks[layer], self.family.attention)
 
     @property
     def model(self) -> Any:
@@ -289,8 +188,8 @@ class Taps:
         try:
             return self.taps[key]
         except KeyError:
-            raise InvalidRequestError(f"`{key}` must name an internal of this {self.num_layers}-layer model",
-                                      parameter="names", value=str(key)) from None
+            raise InvalidRequestError(f"`{key}` must name an internal of this {self.num_layers}-layer "
+                                      f"{self.family.label} model", parameter="names", value=str(key)) from None
 
     def module(self, name: HookName | str) -> Any:
         """The module whose hook reads ``name`` when it needs exactly one read (None otherwise)."""
@@ -343,7 +242,7 @@ class Taps:
                     if threading.get_ident() == owner:
                         raise _StopForward
 
-                handle = self.base.layers[stop].register_forward_hook(halt)  # after the recording hooks
+                handle = self.blocks[stop].register_forward_hook(halt)  # after the recording hooks
             try:
                 self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             except _StopForward:

@@ -21,12 +21,15 @@ import duckdb
 import pyarrow as pa
 
 from engine.errors import InvalidRequestError
+from engine.services.previews import preview
 from engine.services.store import MAX_AGE_DAYS, ActivationStore, StoreSchemaError
 
 __all__ = [
     "feature_deltas",
     "threshold_search",
     "top_features",
+    "dense_features",
+    "DENSE_FREQUENCY",
     "top_activating_tokens",
     "decode_tokens",
     "parse_since",
@@ -65,6 +68,10 @@ def _run(store: ActivationStore, sql: str, params: list[Any], output: Output) ->
     except duckdb.CatalogException as err:
         raise StoreSchemaError(f"the store `{store.db_path}` lacks a table this query reads ({err}); "
                                "it was created by another tool or never written by raylens") from None
+    return _convert(table, output)
+
+
+def _convert(table: pa.Table, output: Output) -> Any:
     if output == "arrow":
         return table
     if output == "pandas":
@@ -117,23 +124,74 @@ def threshold_search(store: ActivationStore, feature_id: int, min_value: float, 
     return _run(store, sql, [feature_id, min_value, cutoff, limit], output)
 
 
+#: A feature stored at this share of all stored tokens or more is *dense*: it fires on most text,
+#: so it says little about any one request (it is flagged, and ranks low by specificity).
+DENSE_FREQUENCY = 0.5
+TopOrder = Literal["specificity", "activation"]
+
+
 def top_features(store: ActivationStore, request_id: str, *, step: int | None = None, limit: int = 20,
-                 output: Output = "arrow") -> Any:
-    """A request's strongest features (by peak activation), over all its tokens or one step."""
+                 order: TopOrder = "specificity", output: Output = "arrow") -> Any:
+    """A request's features (over all its tokens or one step), most specific first.
+
+    ``specificity`` is the feature's peak activation in this request over its store-wide mean
+    activation (every stored token counted, 0 where it is not in the top-k): how far above its
+    usual level the feature fires here, as Neuronpedia ranks a text's features by activation
+    against density. A feature that fires everywhere scores about 1; one that fires rarely and
+    fires here scores high. ``store_frequency`` is the share of stored tokens where it fires,
+    ``dense`` whether that share is at least :data:`DENSE_FREQUENCY`. ``order="activation"``
+    ranks by peak activation instead."""
     sql = """
-        SELECT feature_id, max(activation_value) AS max_activation, avg(activation_value) AS mean_activation,
-               count(*) AS tokens, arg_max(token_position, activation_value) AS peak_position,
-               arg_max(step, activation_value) AS peak_step
-        FROM activations
-        WHERE request_id = ? AND (? IS NULL OR step = ?)
-        GROUP BY feature_id
-        ORDER BY max_activation DESC, feature_id
+        WITH req AS (
+            SELECT feature_id, max(activation_value) AS max_activation, avg(activation_value) AS mean_activation,
+                   count(*) AS tokens, arg_max(token_position, activation_value) AS peak_position,
+                   arg_max(step, activation_value) AS peak_step
+            FROM activations
+            WHERE request_id = ? AND (? IS NULL OR step = ?)
+            GROUP BY feature_id
+        ), total AS (
+            SELECT count(*) AS n FROM (SELECT DISTINCT request_id, step, token_position FROM activations)
+        ), everywhere AS (
+            SELECT feature_id, count(*) AS fired, sum(activation_value) AS activation_sum
+            FROM activations WHERE feature_id IN (SELECT feature_id FROM req) GROUP BY feature_id
+        ), ranked AS (
+            SELECT r.*, e.fired / t.n AS store_frequency, e.activation_sum / t.n AS store_mean,
+                   r.max_activation / nullif(e.activation_sum / t.n, 0) AS specificity,
+                   e.fired / t.n >= ? AS dense
+            FROM req r JOIN everywhere e USING (feature_id), total t
+        )
+        SELECT * FROM ranked
+        ORDER BY CASE WHEN ? = 'activation' THEN max_activation ELSE specificity END DESC NULLS LAST,
+                 max_activation DESC, feature_id
         LIMIT ?
     """
     if step is not None:
         check_int("step", step, 0)
     check_int("limit", limit, 1)
-    return _run(store, sql, [request_id, step, step, limit], output)
+    if order not in ("specificity", "activation"):
+        raise InvalidRequestError(f"`order` must be specificity or activation, got {order!r}", parameter="order",
+                                  value=order)
+    return _run(store, sql, [request_id, step, step, DENSE_FREQUENCY, order, limit], output)
+
+
+def dense_features(store: ActivationStore, *, request_id: str | None = None, output: Output = "arrow") -> Any:
+    """The dense features (stored at :data:`DENSE_FREQUENCY` of all stored tokens or more), of
+    ``request_id`` only when given: ``feature_id``, ``tokens_fired``, ``frequency``, most frequent
+    first."""
+    sql = """
+        WITH total AS (
+            SELECT count(*) AS n FROM (SELECT DISTINCT request_id, step, token_position FROM activations)
+        ), fired AS (
+            SELECT feature_id, count(*) AS tokens_fired FROM activations
+            WHERE ? IS NULL OR feature_id IN (SELECT feature_id FROM activations WHERE request_id = ?)
+            GROUP BY feature_id
+        )
+        SELECT f.feature_id, f.tokens_fired, f.tokens_fired / t.n AS frequency
+        FROM fired f, total t
+        WHERE f.tokens_fired / t.n >= ?
+        ORDER BY frequency DESC, f.feature_id
+    """
+    return _run(store, sql, [request_id, request_id, DENSE_FREQUENCY], output)
 
 
 def top_activating_tokens(store: ActivationStore, feature_id: int, *, limit: int = 20, context: int = 8,
@@ -252,7 +310,8 @@ def feature_histogram(store: ActivationStore, feature_id: int, *, buckets: int =
 
 def feature_frequency(store: ActivationStore, feature_id: int, *, output: Output = "arrow") -> Any:
     """One row: ``tokens_fired`` (stored tokens where the feature is in the top-k), ``tokens``
-    (all stored tokens), their ratio ``frequency``, and the feature's peak and mean activation."""
+    (all stored tokens), their ratio ``frequency``, whether it is ``dense`` (:data:`DENSE_FREQUENCY`),
+    and the feature's peak and mean activation."""
     check_int("feature", feature_id, 0)
     sql = """
         WITH tokens AS (SELECT count(*) AS n FROM (SELECT DISTINCT request_id, step, token_position FROM activations)),
@@ -263,10 +322,11 @@ def feature_frequency(store: ActivationStore, feature_id: int, *, output: Output
         )
         SELECT fired.n AS tokens_fired, tokens.n AS tokens,
                CASE WHEN tokens.n = 0 THEN 0.0 ELSE fired.n / tokens.n END AS frequency,
+               tokens.n > 0 AND fired.n / tokens.n >= ? AS dense,
                fired.peak AS max_activation, fired.mean AS mean_activation
         FROM fired, tokens
     """
-    return _run(store, sql, [feature_id], output)
+    return _run(store, sql, [feature_id, DENSE_FREQUENCY], output)
 
 
 def request_tokens(store: ActivationStore, request_id: str, *, top: int = 5, max_tokens: int = MAX_BROWSE_ROWS,
@@ -301,10 +361,12 @@ def request_info(store: ActivationStore, request_id: str, *, output: Output = "a
 
 
 def recent_requests(store: ActivationStore, *, limit: int = 50, output: Output = "arrow") -> Any:
-    """The newest requests (by ``created_at``) with a preview of their text and row counts."""
+    """The newest requests (by ``created_at``) with previews and row counts. ``prompt_preview`` is
+    the prompt's last user message (:mod:`engine.services.previews`: not the chat template's
+    system prompt every request starts with), or the prompt itself when it has no user turn."""
     check_int("limit", limit, 1, MAX_BROWSE_ROWS)
     sql = """
-        SELECT r.request_id, r.created_at, r.model_id, left(r.prompt_text, 200) AS prompt_preview,
+        SELECT r.request_id, r.created_at, r.model_id, r.prompt_text AS prompt_preview,
                left(r.output_text, 200) AS output_preview, r.finish_reason,
                coalesce(len(r.prompt_ids), 0) + coalesce(len(r.output_ids), 0) AS tokens,
                (SELECT count(*) FROM activations a WHERE a.request_id = r.request_id) AS activation_rows
@@ -312,4 +374,7 @@ def recent_requests(store: ActivationStore, *, limit: int = 50, output: Output =
         ORDER BY r.created_at DESC, r.request_id
         LIMIT ?
     """
-    return _run(store, sql, [limit], output)
+    table = _run(store, sql, [limit], "arrow")
+    previews = pa.array([preview(text) for text in table.column("prompt_preview").to_pylist()], pa.string())
+    table = table.set_column(table.column_names.index("prompt_preview"), "prompt_preview", previews)
+    return _convert(table, output)

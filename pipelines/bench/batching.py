@@ -179,7 +179,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             ours(ids_list, None, overlap=not overlap)
         paths[f"raylens, {n} concurrent + logits mod each"] = ours(ids_list, [logits_mod])
     runs: dict[str, list[float]] = {name: [] for name in paths}
-    inner_forward = backend.forward
+    inner_forward = backend.execute
 
     def timed_forward(rows: Any) -> Any:
         t0 = time.perf_counter()
@@ -188,11 +188,11 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         finally:
             forward_s[0] += time.perf_counter() - t0
 
-    backend.forward = timed_forward  # this instance only, for this bench; removed below
+    backend.execute = timed_forward  # this instance only, for this bench; removed below
     try:
         _measure(paths, runs, repeats, device, progress, after_warm_up=lambda: (gaps.clear(), engine_us.clear()))
     finally:
-        del backend.forward
+        del backend.execute
     medians = {name: statistics.median(v) for name, v in runs.items()}
     graph_stats = dict(getattr(backend, "graph_stats", {}))
     rows = []

@@ -72,6 +72,7 @@ def _cmd_sae_eval(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from engine.config import load_config
+    from engine.model.families import family_for_architectures
     from engine.model.loading import resolve_model_path
     from engine.services.sae import SAEEncoder, resolve_sae
     from engine.services.sae_eval import SAEEvalSettings, hooked_transformer, rows_from_texts, run_sae_lens_evals
@@ -88,7 +89,8 @@ def _cmd_sae_eval(args: argparse.Namespace) -> int:
     print("raylens: loading the SAE and TransformerLens' model…", file=sys.stderr, flush=True)
     config = AutoConfig.from_pretrained(path)
     encoder = SAEEncoder.load(args.sae, layer=None, top_k=1, model_hidden_size=int(config.hidden_size),
-                              model_layers=int(config.num_hidden_layers))  # refuses an SAE of another model
+                              model_layers=int(config.num_hidden_layers),  # refuses an SAE of another model
+                              model_family=family_for_architectures(config.architectures, backend.model_id).name)
     model = hooked_transformer(path, tokenizer)
     figures, metrics, _features = run_sae_lens_evals(encoder.sae, model, rows, settings, text=args.kind)
     print(format_table(figures, args.sae))

@@ -91,7 +91,8 @@ def _query_call(args: argparse.Namespace) -> tuple[str, tuple[Any, ...], dict[st
     if args.what == "top":
         if args.step is not None:
             check("step", args.step, 0)
-        return "top_features", (args.request_id,), {"step": args.step, "limit": check("limit", args.limit, 1)}
+        return "top_features", (args.request_id,), {"step": args.step, "limit": check("limit", args.limit, 1),
+                                                    "order": args.order}
     if args.what == "deltas":
         return "feature_deltas", (args.request_id, check("feature", args.feature, 0)), {}
     if args.what == "threshold":
@@ -191,7 +192,7 @@ def _store_actor_for(cfg: Any, db_path: str) -> Any | None:
 
 def _explain(cfg: Any, store: Any, args: argparse.Namespace) -> int:
     from engine.services.neuronpedia import NeuronpediaClient, NeuronpediaError, explain_features
-    from engine.services.sae import SAE_REGISTRY
+    from engine.services.sae import SAE_REGISTRY, format_for_layer
 
     if not cfg.sae.neuronpedia_url:
         raise NeuronpediaError("feature explanations are off: set sae.neuronpedia_url (e.g. https://www.neuronpedia.org)")
@@ -199,9 +200,10 @@ def _explain(cfg: Any, store: Any, args: argparse.Namespace) -> int:
     template = source.neuronpedia_template if source else None
     client = NeuronpediaClient(cfg.sae.neuronpedia_url)
     try:
-        table = explain_features(store, client, sae_release=source.release if source and source.release else cfg.sae.sae_id,
+        release = source.release if source and source.release else cfg.sae.sae_id
+        table = explain_features(store, client, sae_release=release,
                                  sae_layer=cfg.sae.layer,
-                                 neuronpedia_id=template.format(layer=cfg.sae.layer) if template else None,
+                                 neuronpedia_id=format_for_layer(template, cfg.sae.layer) if template else None,
                                  feature_ids=args.feature_ids, refresh=args.refresh)
     finally:
         client.close()
@@ -218,10 +220,13 @@ def _add_query(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--json", action="store_true", help="one JSON object per row")
         q.set_defaults(func=_cmd_query, ids_only=False)
 
-    q = qs.add_parser("top", help="a request's strongest features")
+    q = qs.add_parser("top", help="a request's features, most specific first (dense ones flagged)")
     q.add_argument("--request-id", required=True)
     q.add_argument("--step", type=int)
     q.add_argument("--limit", type=int, default=20)
+    q.add_argument("--order", choices=("specificity", "activation"), default="specificity",
+                   help="specificity: peak activation over the feature's store-wide mean (default); "
+                        "activation: peak activation")
     common(q)
     q = qs.add_parser("deltas", help="a feature's activation token by token in a request, and its change")
     q.add_argument("--request-id", required=True)

@@ -130,7 +130,7 @@ def build_topology(config: RaylensConfig) -> Topology:
             role = f"{SAE_WORKER}-{i}"
             handles[role] = create(SAEWorkerActor, role, {"max_restarts": -1}, dataclasses.asdict(config.sae),
                                    info["hidden_size"], info["num_layers"], config.backend.model_id, store,
-                                   r.call_timeout_s)
+                                   r.call_timeout_s, info["family"])
             workers.append(handles[role])
     generators = []
     for role in [s.name for s in specs.values() if s.name == GENERATOR or s.name.startswith(f"{GENERATOR}-")]:
@@ -171,12 +171,15 @@ def _describe(resources: Mapping[str, float]) -> str:
     return ", ".join(f"{v:g} {k}" for k, v in resources.items()) or "no resources"
 
 
-def _model_dims(config: RaylensConfig) -> dict[str, int]:
-    """Hidden size and layer count from the model's config file (no weights loaded)."""
+def _model_dims(config: RaylensConfig) -> dict[str, Any]:
+    """Hidden size, layer count and family from the model's config file (no weights loaded)."""
     from transformers import AutoConfig
 
+    from engine.model.families import family_for_architectures
     from engine.model.loading import resolve_model_path
 
     model_config = AutoConfig.from_pretrained(resolve_model_path(config.backend.model_id, config.backend.model_cache_dir),
                                               token=config.backend.hf_token)
-    return {"hidden_size": int(model_config.hidden_size), "num_layers": int(model_config.num_hidden_layers)}
+    family = family_for_architectures(model_config.architectures, config.backend.model_id)
+    return {"hidden_size": int(model_config.hidden_size), "num_layers": int(model_config.num_hidden_layers),
+            "family": family.name}

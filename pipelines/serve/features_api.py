@@ -1,11 +1,14 @@
 """The feature browser's read-only routes over the activation store (no model needed).
 
 ``GET /api/v1/features/{feature_id}``: how often the feature fires (the fraction of stored tokens
-where it is in the top-k), a histogram of its activations, its top-activating contexts (the token,
-its activation, ``window`` tokens either side, the request id) and Neuronpedia links when the SAE
-has a Neuronpedia id. ``GET /api/v1/requests``: the newest requests. ``GET
-/api/v1/requests/{request_id}``: a request's tokens with their strongest features each, and with
-``?feature=`` that feature's activation at every token (0 where it is not in the top-k).
+where it is in the top-k; ``dense`` when that is most of them), a histogram of its activations,
+its top-activating contexts (the token, its activation, ``window`` tokens either side, the
+request id) and Neuronpedia links when the SAE has a Neuronpedia id. ``GET /api/v1/requests``: the
+newest requests, previewed by their last user message. ``GET /api/v1/requests/{request_id}``: the
+request's features most specific first (peak activation over the feature's store-wide mean,
+:func:`engine.services.queries.top_features`), its tokens with their strongest features each
+(dense ones flagged), and with ``?feature=`` that feature's activation at every token (0 where it
+is not in the top-k).
 
 Every answer is bounded (at most ``MAX_BROWSE_ROWS`` contexts, requests or tokens). The routes
 ask the questions of :mod:`engine.services.queries`, by name, of whoever holds the store: in
@@ -27,7 +30,7 @@ from fastapi import APIRouter, Query, Request
 
 from engine.errors import RaylensError
 from engine.services import queries
-from engine.services.queries import MAX_BROWSE_ROWS
+from engine.services.queries import DENSE_FREQUENCY, MAX_BROWSE_ROWS
 
 from .errors import ApiError, ErrorCode, api_error_from
 
@@ -38,7 +41,7 @@ router = APIRouter(prefix="/api/v1", tags=["features"])
 MAX_REQUEST_ID_CHARS = 512
 #: The questions the routes ask (functions of :mod:`engine.services.queries`, by name).
 BROWSE_QUESTIONS = ("feature_frequency", "feature_histogram", "feature_contexts", "recent_requests", "request_info",
-                    "request_tokens", "feature_deltas")
+                    "request_tokens", "feature_deltas", "top_features", "dense_features")
 
 
 class StoreActorReader:
@@ -114,10 +117,12 @@ class FeatureSource:
         return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
 
     def neuronpedia_link(self, sae_release: str, sae_layer: int, feature_id: int) -> str | None:
+        from engine.services.sae import format_for_layer  # the browser needs no model: torch only when linking
+
         template = self.neuronpedia_ids.get(sae_release)
         if not self.neuronpedia_url or not template:
             return None
-        return f"{self.neuronpedia_url.rstrip('/')}/{template.format(layer=sae_layer)}/{int(feature_id)}"
+        return f"{self.neuronpedia_url.rstrip('/')}/{format_for_layer(template, sae_layer)}/{int(feature_id)}"
 
 
 def _source(request: Request) -> FeatureSource:
@@ -164,6 +169,7 @@ def feature(request: Request, feature_id: int, limit: int = Query(20, ge=1, le=M
     return {
         "feature_id": feature_id,
         "tokens_fired": freq["tokens_fired"], "tokens": freq["tokens"], "frequency": freq["frequency"],
+        "dense": freq["dense"], "dense_frequency": DENSE_FREQUENCY,
         "max_activation": freq["max_activation"], "mean_activation": freq["mean_activation"],
         "histogram": histogram,
         "contexts": contexts,
@@ -181,7 +187,8 @@ def requests(request: Request, limit: int = Query(50, ge=1, le=MAX_BROWSE_ROWS))
 
 @router.get("/requests/{request_id}")
 def request_detail(request: Request, request_id: str, feature: int | None = Query(None, ge=0, le=2**31 - 1),
-                   top: int = Query(5, ge=1, le=64)) -> dict[str, Any]:
+                   top: int = Query(5, ge=1, le=64),
+                   features: int = Query(20, ge=1, le=MAX_BROWSE_ROWS)) -> dict[str, Any]:
     source = _source(request)
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ApiError(ErrorCode.INVALID_REQUEST, f"`request_id` must be at most {MAX_REQUEST_ID_CHARS} "
@@ -196,11 +203,13 @@ def request_detail(request: Request, request_id: str, feature: int | None = Quer
     if feature is not None:
         for row in _ask(source, "feature_deltas", request_id, feature):
             chosen[(row["step"], row["token_position"])] = row["activation"]
+    dense = {row["feature_id"] for row in _ask(source, "dense_features", request_id=request_id)}
     tokens = []
     for row in _final_tokens(rows, record):
-        features = [{"feature_id": f, "activation": a} for f, a in zip(row["feature_ids"], row["activations"])]
+        strongest = [{"feature_id": f, "activation": a, "dense": f in dense}
+                     for f, a in zip(row["feature_ids"], row["activations"])]
         token = {"position": row["token_position"], "step": row["step"], "token_id": row["token_id"],
-                 "text": source.text(row["token_id"]), "features": features}
+                 "text": source.text(row["token_id"]), "features": strongest}
         if feature is not None:
             token["feature_activation"] = chosen.get((row["step"], row["token_position"]), 0.0)
         tokens.append(token)
@@ -209,7 +218,10 @@ def request_detail(request: Request, request_id: str, feature: int | None = Quer
         "model_id": record["model_id"], "prompt_text": record["prompt_text"], "output_text": record["output_text"],
         "finish_reason": record["finish_reason"], "prompt_tokens": len(record["prompt_ids"] or []),
         "activation_rows": record["activation_rows"], "feature": feature, "tokens": tokens,
-        "truncated": len(rows) >= MAX_BROWSE_ROWS,
+        "truncated": len(rows) >= MAX_BROWSE_ROWS, "dense_frequency": DENSE_FREQUENCY,
+        "features": [{key: row[key] for key in ("feature_id", "max_activation", "tokens", "peak_position",
+                                                  "store_frequency", "specificity", "dense")}
+                     for row in _ask(source, "top_features", request_id, limit=features)],
     }
 
 

@@ -193,7 +193,7 @@ def _capture(service: Service, raw: Any) -> tuple[tuple[str, ...], int, int | No
     if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
         raise _bad("raylens.capture.names", "a non-empty list of hook names (globs allowed)", names)
     try:
-        expanded = expand_hook_names(names, int(service.info.num_layers))
+        expanded = expand_hook_names(names, int(service.info.num_layers), service.info.hooks)
     except RaylensError as err:
         raise ApiError(ErrorCode.INVALID_REQUEST, str(err), "raylens.capture.names") from None
     if len(expanded) > MAX_CAPTURE_NAMES:

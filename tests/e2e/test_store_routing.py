@@ -53,7 +53,8 @@ def test_a_query_goes_through_the_store_actor_while_it_holds_the_file(held_store
     cfg_path, cfg, _ = held_store
     with pytest.raises(StoreLockedError):  # why the query must go through the actor
         ActivationStore.from_config(cfg.activations, read_only=True)
-    assert main(["query", "top", "--request-id", "A", "--json", "--config", str(cfg_path)]) == 0
+    assert main(["query", "top", "--request-id", "A", "--order", "activation", "--json", "--config",
+                 str(cfg_path)]) == 0
     top = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["feature_id"], r["max_activation"]) for r in top] == [(7, 5.0), (8, 1.0)]
     # an argument the query refuses is still a one-line error, raised in the actor

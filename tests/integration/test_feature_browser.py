@@ -3,7 +3,8 @@
 Chromium is driven over the DevTools protocol (the viewer test's client) and the test waits on
 the page's own markers (``<body data-feature>``, ``<body data-request>``), never on time: search a
 feature, check its top context, histogram and firing rate, click through to the request, check the
-tokens coloured by the feature. The screenshot is kept under ``artifacts/``.
+tokens coloured by the feature and the request's features ranked by specificity, dense ones
+flagged. The screenshot is kept under ``artifacts/``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ async def _drive(endpoint: str, url: str) -> dict:
               text: tokens.map((t) => t.textContent).join(""),
               coloured: tokens.filter((t) => t.style.background).map((t) => t.textContent),
               rows: document.querySelectorAll("#token-features tbody tr").length,
+              ranked: [...document.querySelectorAll("#request-features tbody tr")].map((r) => [
+                r.querySelector(".feat").textContent, !!r.querySelector(".dense-badge")]),
+              greyed: [...new Set([...document.querySelectorAll("#token-features .feat.dense")]
+                .map((f) => f.textContent))],
               url: location.search,
             };
         })())"""))
@@ -117,5 +122,7 @@ def test_search_a_feature_then_click_through_to_its_request(server, browser):  #
     assert request["text"] == "The cat sat on the mat."
     assert request["coloured"] == ["c", "m"]  # the tokens where feature 7 fired, in order
     assert request["rows"] == len("The cat sat on the mat.")
+    # the request's features, most specific first: 7 fires at 3 tokens, 3 at every one (dense, flagged)
+    assert request["ranked"] == [["7", False], ["3", True]] and request["greyed"] == ["3"]
     assert "feature=7" in request["url"] and "request=req-cat" in request["url"]
     assert SCREENSHOT.stat().st_size > 1000

@@ -12,7 +12,7 @@ import torch
 
 from engine.model.devices import resolve_device
 from engine.errors import ContextOverflowError, InvalidRequestError, LayerOutOfRangeError, TokenOutOfVocabularyError
-from engine.model.capture import hidden_states_index
+from engine.model.capture import ATTENTION_IMPLEMENTATION, hidden_states_index
 from mods import Added, ForwardPass, Prefilled, mod
 from tests.helpers import FP32_NOISE_TOL, build_config, forward_prompt
 
@@ -52,7 +52,7 @@ def test_the_step_loop_hands_transformers_its_cache_without_deprecation_warnings
 
 def test_model_loads_on_the_auto_detected_device(engine):
     assert engine.backend.info.device == str(resolve_device("auto")) == "cpu"  # no GPU on CI machines
-    assert engine.backend.attention_implementation == "raylens_sdpa"
+    assert engine.backend.attention_implementation == ATTENTION_IMPLEMENTATION == "raylens_capture"
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, "Write a short story about a lighthouse keeper."])

@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import InvalidRequestError, LayerOutOfRangeError, TokenOutOfVocabularyError
 from engine.model.capture import hidden_states_index
-from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, expand_hook_names
+from engine.model.hook_names import expand_hook_names
 from engine.model.named_capture import MANIFEST_FILE, TENSORS_FILE, capture
 from engine.model.taps import taps_of
 from tests.helpers import FP32_NOISE_TOL
@@ -71,7 +71,8 @@ def _all_hooks(model) -> dict[str, tuple]:
 
 def test_capture_covers_every_internal_in_forward_order(full, model, ids):
     cfg = model.config
-    assert len(full) == cfg.num_hidden_layers * len(BLOCK_HOOKS) + len(GLOBAL_HOOKS)
+    hooks = taps_of(model).hooks
+    assert len(full) == cfg.num_hidden_layers * len(hooks.block) + len(hooks.model)
     assert next(iter(full)) == "hook_embed" and list(full)[-1] == "ln_final.hook_weighted"
     T, h, g = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads
     hd = cfg.hidden_size // h
@@ -180,7 +181,7 @@ def test_capture_never_changes_logits(model, ids):
     from engine.model.kv_cache import cache_argument
 
     before = _hf(model, ids).logits
-    with taps_of(model).record(expand_hook_names(["*"], model.config.num_hidden_layers)) as rec:
+    with taps_of(model).record(expand_hook_names(["*"], model.config.num_hidden_layers, taps_of(model).hooks)) as rec:
         during = _hf(model, ids, use_cache=True, **cache_argument(model, DynamicCache(config=model.config))).logits
     after = _hf(model, ids).logits
     assert rec.raw, "positive control: the hooks recorded the forward"
@@ -190,7 +191,7 @@ def test_capture_never_changes_logits(model, ids):
 
 def test_capture_releases_hooks_when_the_forward_raises(model, ids):
     before = _all_hooks(model)
-    with taps_of(model).record(expand_hook_names(["*"], model.config.num_hidden_layers)):
+    with taps_of(model).record(expand_hook_names(["*"], model.config.num_hidden_layers, taps_of(model).hooks)):
         inside = _all_hooks(model)
     assert inside != before, "positive control: hooks were registered inside the context"
 
@@ -211,7 +212,7 @@ def test_capture_releases_hooks_when_the_forward_raises(model, ids):
 
 
 def test_capture_ignores_forwards_of_other_threads(model, ids):
-    names = expand_hook_names(["blocks.0.hook_resid_post"], model.config.num_hidden_layers)
+    names = expand_hook_names(["blocks.0.hook_resid_post"], model.config.num_hidden_layers, taps_of(model).hooks)
     with taps_of(model).record(names) as rec:
         other = threading.Thread(target=_hf, args=(model, ids))
         other.start()

@@ -85,7 +85,7 @@ def test_generate_with_sae_then_query_from_the_cli(capsys, tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["query", "top", "--request-id", "cli-sae", "--limit", "3", "--json"]) == 0
     top = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert len(top) == 3 and top[0]["max_activation"] >= top[-1]["max_activation"] > 0
+    assert len(top) == 3 and top[0]["specificity"] >= top[-1]["specificity"] > 0 and top[-1]["max_activation"] > 0
     feature = top[0]["feature_id"]
     assert main(["query", "deltas", "--request-id", "cli-sae", "--feature", str(feature), "--json"]) == 0
     deltas = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -47,9 +47,15 @@ def _leaked(model, before: dict[str, tuple]) -> list[str]:
 
 def test_every_name_of_the_vocabulary_has_one_tap_in_forward_order(taps, model):
     layers = model.config.num_hidden_layers
-    universe = expand_hook_names(["*"], layers)
+    universe = expand_hook_names(["*"], layers, taps.hooks)
     assert list(taps.taps) == universe
-    assert len(universe) == layers * len(BLOCK_HOOKS) + len(GLOBAL_HOOKS)
+    assert len(universe) == layers * len(taps.hooks.block) + len(taps.hooks.model)
+    # Llama computes every name of the vocabulary but those other families add
+    others = {"attn.q_norm.hook_scale", "attn.q_norm.hook_normalized", "attn.k_norm.hook_scale",
+              "attn.k_norm.hook_normalized", "ln1_post.hook_scale", "ln1_post.hook_normalized", "ln2_post.hook_scale",
+              "ln2_post.hook_normalized"}
+    assert set(taps.hooks.block) == set(BLOCK_HOOKS) - others
+    assert set(taps.hooks.model) == set(GLOBAL_HOOKS) - {"hook_pos_embed"}
     assert taps_of(model) is taps, "the table is built once per model"
     modules = dict(model.named_modules())
     owner = {id(m): name for name, m in modules.items()}
@@ -104,7 +110,7 @@ def test_collect_of_the_last_layer_is_the_residual_stream_before_the_final_norm(
 
 def test_reads_and_writes_leave_no_hook_behind_even_when_the_forward_raises(taps, model, ids):
     before = _all_hooks(model)
-    names = expand_hook_names(["*"], model.config.num_hidden_layers)
+    names = expand_hook_names(["*"], model.config.num_hidden_layers, taps_of(model).hooks)
     with taps.record(names), taps.write(resid_post(3), lambda resid: resid):
         assert _leaked(model, before), "positive control: the hooks were registered inside the block"
     assert not _leaked(model, before)

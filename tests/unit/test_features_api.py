@@ -113,6 +113,24 @@ def test_a_requests_tokens_carry_their_strongest_features_and_the_chosen_one(cli
     assert [f["feature_id"] for f in plain["tokens"][0]["features"]] == [3]
 
 
+def test_dense_features_are_flagged_and_a_requests_features_rank_by_specificity(client):
+    """Feature 3 fires at every stored token (dense: it says nothing about a request); feature 7 at
+    three. A request lists its features most specific first — peak activation over the feature's
+    store-wide mean — and flags the dense one wherever it appears."""
+    assert client.get("/api/v1/features/3").json()["dense"] is True
+    assert client.get("/api/v1/features/7").json()["dense"] is False
+    data = client.get("/api/v1/requests/req-cat").json()
+    ranked = data["features"]
+    assert [(f["feature_id"], f["dense"]) for f in ranked] == [(7, False), (3, True)]
+    n = token_count()
+    assert ranked[0]["specificity"] == pytest.approx(9.5 / (sum(v for _, _, v in FEATURE_7) / n))
+    assert ranked[0]["store_frequency"] == pytest.approx(len(FEATURE_7) / n) and ranked[1]["store_frequency"] == 1.0
+    assert ranked[1]["specificity"] < 2 < ranked[0]["specificity"]
+    by_position = {t["position"]: t for t in data["tokens"]}
+    assert [(f["feature_id"], f["dense"]) for f in by_position[4]["features"]] == [(7, False), (3, True)]
+    assert client.get("/api/v1/requests/req-cat", params={"features": 1}).json()["features"][0]["feature_id"] == 7
+
+
 def test_an_unknown_request_is_not_found(client):
     body = _error(client.get("/api/v1/requests/no-such-request"), 404, "NOT_FOUND")
     assert body["parameter"] == "request_id"

@@ -69,12 +69,44 @@ def test_threshold_search_finds_every_firing_across_runs_and_respects_since(stor
 
 
 def test_top_features_per_request_and_per_step(store):
-    top = queries.top_features(store, "A").to_pylist()
+    top = queries.top_features(store, "A", order="activation").to_pylist()
     assert [(t["feature_id"], t["max_activation"], t["tokens"], t["peak_step"]) for t in top] == [
         (7, 4.0, 3, 1), (9, 3.0, 4, 1)]
     assert top[0]["mean_activation"] == pytest.approx((1.0 + 4.0 + 2.5) / 3)
-    step0 = queries.top_features(store, "A", step=0).to_pylist()
+    step0 = queries.top_features(store, "A", step=0, order="activation").to_pylist()
     assert [(t["feature_id"], t["max_activation"], t["peak_position"]) for t in step0] == [(9, 2.0, 2), (7, 1.0, 1)]
+
+
+def test_top_features_rank_by_specificity_against_the_store_wide_mean(store):
+    """7 stored tokens (A: 5, B: 2). Feature 7 fires on 5 of them (sum 19.0, mean 19/7), feature
+    9 on 4 (sum 7.0, mean 1.0), feature 3 on 1 (9.0, mean 9/7). Specificity = a request's peak
+    over that mean: in A, 9 scores 3.0 / 1.0 = 3 and 7 scores 4.0 / (19/7) ≈ 1.47, so 9 ranks first
+    although 7 peaks higher; both fire on most tokens (dense), 3 does not."""
+    top = queries.top_features(store, "A").to_pylist()
+    assert [t["feature_id"] for t in top] == [9, 7]
+    assert top[0]["specificity"] == pytest.approx(3.0) and top[1]["specificity"] == pytest.approx(4.0 / (19 / 7))
+    assert top[1]["store_frequency"] == pytest.approx(5 / 7) and top[1]["store_mean"] == pytest.approx(19 / 7)
+    assert [t["dense"] for t in top] == [True, True]
+    b = queries.top_features(store, "B").to_pylist()
+    assert [(t["feature_id"], t["dense"]) for t in b] == [(3, False), (7, True)]
+    assert b[0]["specificity"] == pytest.approx(9.0 / (9 / 7)) and b[0]["store_frequency"] == pytest.approx(1 / 7)
+    dense = queries.dense_features(store).to_pylist()
+    assert [(d["feature_id"], d["tokens_fired"]) for d in dense] == [(7, 5), (9, 4)]
+    assert [d["feature_id"] for d in queries.dense_features(store, request_id="B").to_pylist()] == [7]
+    with pytest.raises(InvalidRequestError, match="`order` must be specificity or activation"):
+        queries.top_features(store, "A", order="peak")
+
+
+def test_recent_requests_preview_the_last_user_message_not_the_system_prompt(tmp_path):
+    chat = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+            "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n")
+    with ActivationStore(tmp_path / "p.duckdb") as s:
+        s.record_request(RequestRecord("chat", "m", chat, "Light scatters.", [1], [2], "stop", {},
+                                       created_at=NOW - timedelta(minutes=1)))
+        s.record_request(RequestRecord("raw", "m", "Once upon a time", "…", [3], [4], "stop", {}, created_at=NOW))
+        rows = queries.recent_requests(s).to_pylist()
+    assert [(r["request_id"], r["prompt_preview"]) for r in rows] == [("raw", "Once upon a time"),
+                                                                    ("chat", "Why is the sky blue?")]
 
 
 def test_top_activating_tokens_come_with_their_context(store):
@@ -96,7 +128,7 @@ def test_decode_tokens_adds_text(store):
 
 def test_outputs_convert_to_pandas(store):
     frame = queries.top_features(store, "A", output="pandas")
-    assert list(frame["feature_id"]) == [7, 9]
+    assert list(frame["feature_id"]) == [9, 7]
 
 
 def test_parse_since():

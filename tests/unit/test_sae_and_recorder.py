@@ -58,7 +58,8 @@ def test_encode_topk_is_sae_lens_encode_then_topk(sae_dir):
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"model_hidden_size": 48}, SAEShapeError, "input width must equal the model's hidden size 48, got d_in=32"),
     ({"layer": 4}, SAEShapeError, "must match the SAE's hook blocks.3.hook_resid_post"),
-    ({"model_layers": 2}, SAEShapeError, "reads layer 3, but the model has layers 0..1"),
+    ({"model_layers": 2}, SAEShapeError, r"must be in \[0, 0\] \(the SAE's hook blocks.3.hook_resid_post reads"),
+    ({"model_layers": 4}, SAEShapeError, "a step reads the last layer, 3, after the final norm"),
     ({"top_k": D_SAE + 1}, SAEShapeError, "`top_k` must be in"),
 ])
 def test_an_sae_that_does_not_fit_the_model_is_refused(sae_dir, kwargs, error, message):

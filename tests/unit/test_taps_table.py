@@ -43,7 +43,7 @@ def test_recording_every_name_gives_each_its_documented_shape(tiny):
     from transformers import DynamicCache
 
     taps = taps_of(tiny)
-    names = expand_hook_names(["*"], 2)
+    names = expand_hook_names(["*"], 2, taps.hooks)
     T, d, h, g, hd, m = 5, 16, 2, 1, 8, 32
     expected = {"(T, d)": (T, d), "(T, h, hd)": (T, h, hd), "(T, g, hd)": (T, g, hd), "(h, T, T)": (h, T, T),
                 "(T, m)": (T, m), "(T, 1)": (T, 1)}

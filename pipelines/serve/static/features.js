@@ -43,9 +43,14 @@ function syncUrl() {
   history.replaceState(null, "", `${location.pathname}?${next}`);
 }
 
-function featureLink(id) {
-  return el("span", { className: "feat", textContent: `${id}`, onclick: () => showFeature(id) });
+function featureLink(id, dense = false) {
+  return el("span", {
+    className: dense ? "feat dense" : "feat", textContent: `${id}`, onclick: () => showFeature(id),
+    title: dense ? "dense: fires on most stored tokens" : "",
+  });
 }
+
+const denseBadge = () => el("span", { className: "dense-badge", textContent: "dense" });
 
 async function showFeature(id) {
   id = Number(id);
@@ -72,8 +77,11 @@ function drawFeature(data) {
   links.replaceChildren(...data.neuronpedia.map((n) => el("a", {
     href: n.url, target: "_blank", rel: "noopener", textContent: `Neuronpedia (${n.sae_release} L${n.sae_layer})`,
   })));
-  $("frequency").textContent = `fires on ${data.tokens_fired} of ${data.tokens} stored tokens ` +
-    `(${(100 * data.frequency).toFixed(3)}%) · max ${fmt(data.max_activation)} · mean ${fmt(data.mean_activation)}`;
+  $("frequency").replaceChildren(`fires on ${data.tokens_fired} of ${data.tokens} stored tokens ` +
+    `(${(100 * data.frequency).toFixed(3)}%) · max ${fmt(data.max_activation)} · mean ${fmt(data.mean_activation)}`,
+    ...(data.dense ? [" ", denseBadge(), ` fires on at least ${100 * data.dense_frequency}% of stored tokens: ` +
+      "it says little about any one text"] : []));
+  document.body.dataset.dense = String(Boolean(data.dense));
   const peak = Math.max(1, ...data.histogram.map((b) => b.count));
   $("histogram").replaceChildren(...data.histogram.map((b) => el("div", {
     className: "bar", title: `${fmt(b.low)} – ${fmt(b.high)}: ${b.count}`,
@@ -135,12 +143,20 @@ function drawRequest(data) {
     rows.push(el("tr", {}, [
       el("td", { textContent: String(t.position) }),
       el("td", { className: "ctx", textContent: JSON.stringify(tokenText(t)) }),
-      el("td", {}, t.features.map((f) => el("span", {}, [featureLink(f.feature_id), `(${fmt(f.activation)}) `]))),
+      el("td", {}, t.features.map((f) => el("span", {}, [featureLink(f.feature_id, f.dense),
+                                                          `(${fmt(f.activation)}) `]))),
     ]));
     return span;
   });
   $("request-tokens").replaceChildren(...spans);
   $("token-features").tBodies[0].replaceChildren(...rows);
+  $("request-features").tBodies[0].replaceChildren(...data.features.map((f) => el("tr", {}, [
+    el("td", {}, [featureLink(f.feature_id, f.dense), ...(f.dense ? [denseBadge()] : [])]),
+    el("td", { className: "act", textContent: fmt(f.max_activation) }),
+    el("td", { className: "act", textContent: String(f.tokens) }),
+    el("td", { className: "act", textContent: `${(100 * f.store_frequency).toFixed(1)}%` }),
+    el("td", { className: "act", textContent: fmt(f.specificity) }),
+  ])));
 
   function selectToken(i) {
     spans.forEach((s, j) => s.classList.toggle("selected", i === j));
