@@ -163,11 +163,11 @@ class PhaseActions:
             ids = self.valid_ids(item, action.tokens, "ForceOutput.tokens")
             if ids is None:
                 return False
-            state.forced_output, state.finish = ids, FinishReason.STOP
+            state.finish_with(FinishReason.STOP, output=ids)
         elif isinstance(action, ToolCalls):
-            state.tool_calls, state.finish = [action.tool_calls], FinishReason.TOOL_CALLS
+            state.finish_with(FinishReason.TOOL_CALLS, tool_calls=[action.tool_calls])
         else:
-            state.error, state.finish = str(getattr(action, "err_str", "")), FinishReason.ERROR
+            state.finish_with(FinishReason.ERROR, error=str(getattr(action, "err_str", "")))
         self.applied(item)
         return True
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from engine.core.actions import Call, PhaseActions, SteerSource, StepPlan
-from engine.core.request import ForwardRecord, RequestState
+from engine.core.request import ForwardRecord, RequestState, RequestStatus
 from engine.core.result import FinishReason
 from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
@@ -109,7 +109,6 @@ class RequestMachine:
                                     commit_silently=self._commit_silently)
         self.max_sequence = 1 << 62  # set by start()
         self.overlap = False  # the device runs forwards asynchronously: announcements may wait
-        self._decoding = False  # Prefilled was dispatched
         self._parts: list[tuple[ForwardRow, RowOutput]] = []  # the chunks of a feed still in progress
         self._newest: tuple[Any, np.ndarray, np.ndarray] | None = None  # the newest row's SAE top-k on the host
         self._outbox: list[tuple[Callable[..., Any], tuple[Any, ...]]] | None = None
@@ -133,6 +132,8 @@ class RequestMachine:
     def start(self, *, max_sequence: int, overlap: bool = False) -> None:
         """Admitted into a batch: its context limit and whether its announcements may overlap."""
         self.max_sequence, self.overlap = max_sequence, overlap
+        if self.state.status is RequestStatus.WAITING:
+            self.state.status = RequestStatus.PREFILLING
 
     # --------------------------------------------------------------------------- loop's view
 
@@ -143,12 +144,13 @@ class RequestMachine:
     @property
     def decoding(self) -> bool:
         """The prompt is in and Prefilled was dispatched (each step it feeds its newest tokens)."""
-        return self._decoding
+        return self.state.status is RequestStatus.DECODING
 
     @property
     def ready(self) -> bool:
         """This step's phases can run: decoding, not finished, and the newest feed's output is in."""
-        return self._decoding and self.state.output is not None and self.state.finish is None
+        state = self.state
+        return state.status is RequestStatus.DECODING and state.output is not None
 
     @property
     def pending_tokens(self) -> int:
@@ -171,7 +173,7 @@ class RequestMachine:
 
     def cancel(self) -> None:
         if self.state.finish is None:
-            self.state.finish = FinishReason.CANCELLED
+            self.state.finish_with(FinishReason.CANCELLED)
 
     def fail(self, message: str) -> None:
         self.state.fail(message)
@@ -218,8 +220,9 @@ class RequestMachine:
         state = self.state
         steer = state.steer_delta
         layer = self.actions.steering.layer if steer is not None and self.actions.steering is not None else None
-        return ForwardRow(state.request_id, start, tuple(tokens), self._plans[not self._decoding], steer, layer,
-                          table, self._wants_top)
+        prefill = state.status is not RequestStatus.DECODING
+        return ForwardRow(state.request_id, start, tuple(tokens), self._plans[prefill], steer, layer, table,
+                          self._wants_top)
 
     def reuse_prefix(self, length: int, captured: RowCapture) -> None:
         """The prompt's first ``length`` positions came from the prefix cache with the internals
@@ -235,7 +238,7 @@ class RequestMachine:
         to the SAE hand-off, and a prompt's completion dispatches Prefilled."""
         state = self.state
         state.cached = row.start + len(row.tokens)
-        if not self._decoding:
+        if state.status is not RequestStatus.DECODING:
             state.prefill_ms += forward_ms
         if state.cached < len(state.prompt_ids) + len(state.generated):
             self._parts.append((row, output))
@@ -249,8 +252,8 @@ class RequestMachine:
         if self._reads_logits:
             self._host = output.host_logits()  # one host copy of the step's logits for every mod
         self._report_forward(row)
-        if not self._decoding:
-            self._decoding = True
+        if state.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
+            state.status = RequestStatus.DECODING
             self.actions.apply_prefilled_actions(self._dispatch_now(self._prefilled_event()))
         return True
 
@@ -433,13 +436,13 @@ class RequestMachine:
             if state.grammar is not None and state.grammar.ended:
                 self._finish_structured()
             elif state.step_committed and any(t in request.stop_ids for t in state.step_committed):
-                state.finish = FinishReason.STOP
+                state.finish_with(FinishReason.STOP)
             elif len(state.generated) >= state.max_tokens:
-                state.finish = FinishReason.LENGTH
+                state.finish_with(FinishReason.LENGTH)
             elif len(state.prompt_ids) + len(state.generated) >= self.max_sequence:
-                state.finish = FinishReason.LENGTH
+                state.finish_with(FinishReason.LENGTH)
             elif state.step + 1 >= request.step_limit:
-                state.finish = FinishReason.LENGTH
+                state.finish_with(FinishReason.LENGTH)
         state.step += 1
 
     def _finish_structured(self) -> None:
@@ -447,9 +450,9 @@ class RequestMachine:
         output becomes the request's tool call, as a mod's ToolCalls would report it."""
         state = self.state
         if state.grammar.spec.is_tool_call:
-            state.tool_calls, state.finish = [state.grammar.tool_call(state.generated)], FinishReason.TOOL_CALLS
+            state.finish_with(FinishReason.TOOL_CALLS, tool_calls=[state.grammar.tool_call(state.generated)])
         else:
-            state.finish = FinishReason.STOP
+            state.finish_with(FinishReason.STOP)
 
     # -------------------------------------------------------------------------------- events
 

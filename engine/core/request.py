@@ -5,6 +5,7 @@ mods, forced queue, sampling generator, payload, capture plan and stream."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:  # llguidance is imported only by requests that ask for struct
     from engine.core.structured import CompiledGrammar
     from engine.core.structured.state import GrammarState
 
-__all__ = ["EngineRequest", "RequestContext", "RequestState", "PayloadSink", "HiddenSink", "ForwardRecord"]
+__all__ = ["EngineRequest", "RequestContext", "RequestState", "RequestStatus", "PayloadSink", "HiddenSink", "ForwardRecord"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,16 @@ class StreamSink(Protocol):
     def erased(self, n: int) -> None: ...
 
 
+class RequestStatus(enum.Enum):
+    """Where a request is: queued, admitted with its prompt being fed, decoding (Prefilled was
+    dispatched: a token per step), or finished (``RequestState.finish`` says why)."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
 @dataclass
 class RequestState:
     """Everything one request's generation knows; handed to every rule and step helper.
@@ -121,7 +132,8 @@ class RequestState:
     generated: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)  # per generated token, when asked for
     step: int = 0
-    finish: FinishReason | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish: FinishReason | None = None  # set only by finish_with
     forced_output: list[int] | None = None
     tool_calls: list[Any] | None = None
     error: str | None = None
@@ -232,7 +244,22 @@ class RequestState:
         self.forced_queue.clear()
         return tokens
 
+    def finish_with(self, reason: FinishReason, *, error: str | None = None, output: list[int] | None = None,
+                    tool_calls: list[Any] | None = None) -> None:
+        """End the request: the one place its status becomes FINISHED and its finish reason is set.
+        The first reason stands, except that an error replaces any other (a fault found after a
+        stop still ends the request as a fault); ``output`` (ForceOutput's tokens) and
+        ``tool_calls`` go with the reason that set them."""
+        if self.finish is not None and (self.finish is FinishReason.ERROR or reason is not FinishReason.ERROR):
+            return
+        self.finish, self.status = reason, RequestStatus.FINISHED
+        if error is not None:
+            self.error = error
+        if output is not None:
+            self.forced_output = output
+        if tool_calls is not None:
+            self.tool_calls = tool_calls
+
     def fail(self, message: str) -> None:
         """End the request with finish reason ``error`` (its neighbours are unaffected)."""
-        if self.finish is None or self.finish is not FinishReason.ERROR:
-            self.finish, self.error = FinishReason.ERROR, message
+        self.finish_with(FinishReason.ERROR, error=message)
