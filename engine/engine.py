@@ -76,6 +76,15 @@ def freeze_startup_objects() -> None:
         atexit.register(gc.unfreeze)
 
 
+def _kv_capacity_tokens(backend: Backend) -> int | None:
+    """The KV pool's size in tokens, from a paged backend's ``cache_stats()`` (None: no pool)."""
+    stats = getattr(backend, "cache_stats", None)
+    if stats is None:
+        return None
+    blocks = stats()
+    return int(blocks["blocks_total"]) * int(blocks["block_size"])
+
+
 class Engine:
     def __init__(self, config: RaylensConfig, *, backend: Backend | None = None) -> None:
         self.config = config
@@ -102,7 +111,8 @@ class Engine:
         self.processor = InputProcessor(
             tokenizer=self.backend.tokenizer(), vocab_size=info.vocab_size, max_context=info.max_context,
             max_sequence=self.backend.max_sequence, eos_token_ids=info.eos_token_ids,
-            defaults=config.generation, load_mods=lambda specs, dirs: load_mods(specs, allowed_dirs=dirs))
+            defaults=config.generation, load_mods=lambda specs, dirs: load_mods(specs, allowed_dirs=dirs),
+            structured=config.structured, kv_capacity_tokens=_kv_capacity_tokens(self.backend))
         self.output = OutputProcessor(tokenizer=self.backend.tokenizer(), info=info,
                                       backend_type=config.backend.backend_type, layer=config.backend.hidden_state_layer,
                                       ingest=self._ingest, store=self.store, sae_metadata=self._sae_metadata)
@@ -195,6 +205,7 @@ class Engine:
                 handle.result(timeout=60)
             except Exception:  # the caller of that request sees its error
                 pass
+        self.processor.close()
         if self._owns_backend:
             self.loop.close()
         if self.recorder is not None:

@@ -17,11 +17,12 @@ from .checks import (I32_MAX, MIN_TEMPERATURE, MOD_LOG_MAX_CHARS, MOD_LOG_MIN_CH
                      DeviceName, DType, check_request_id)
 from .loading import ENV_VARS, EnvVar, default_config_path, load_config, load_job_config, parse_bool
 from .sections import (ActivationsConfig, BackendConfig, GenerationConfig, IngestConfig, RayConfig, RaylensConfig,
-                       SAEConfig)
+                       SAEConfig, StructuredConfig)
 
 __all__ = [
     "BackendConfig",
     "GenerationConfig",
+    "StructuredConfig",
     "IngestConfig",
     "ActivationsConfig",
     "SAEConfig",

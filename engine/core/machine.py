@@ -118,8 +118,8 @@ class RequestMachine:
         if self.state.finish is None:
             self.state.finish = FinishReason.CANCELLED
 
-    def fail(self, message: str) -> None:
-        self.state.fail(message)
+    def fail(self, message: str, parameter: str | None = None) -> None:
+        self.state.fail(message, parameter)
 
     # ------------------------------------------------------------------------------- forward
 

@@ -108,6 +108,7 @@ class RequestState:
     forced_output: list[int] | None = None
     tool_calls: list[Any] | None = None
     error: str | None = None
+    error_parameter: str | None = None  # the request's own field at fault (its grammar's), when one is
     events: list[ModEvent] = field(default_factory=list)
     actions: list[ModAction] = field(default_factory=list)
     ignored: list[IgnoredAction] = field(default_factory=list)
@@ -215,7 +216,7 @@ class RequestState:
         self.forced_queue.clear()
         return tokens
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, parameter: str | None = None) -> None:
         """End the request with finish reason ``error`` (its neighbours are unaffected)."""
         if self.finish is None or self.finish is not FinishReason.ERROR:
-            self.finish, self.error = FinishReason.ERROR, message
+            self.finish, self.error, self.error_parameter = FinishReason.ERROR, message, parameter

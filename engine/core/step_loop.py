@@ -42,7 +42,7 @@ from engine.core.machine import RequestMachine
 from engine.core.request import RequestState
 from engine.core.scheduler import Scheduler
 from engine.core.stream import RequestHandle
-from engine.errors import EngineClosedError, QueueFullError
+from engine.errors import EngineClosedError, GrammarError, QueueFullError
 from engine.model.backend import Backend, ForwardRow, RowOutput
 from engine.model.sampling import SampleResult, SampleRow, sample_rows
 
@@ -196,7 +196,7 @@ class StepLoop:
             return fn()
         except Exception as err:
             log.warning("request %s failed: %s: %s", entry.machine.request_id, type(err).__name__, err)
-            entry.machine.fail(f"{type(err).__name__}: {err}")
+            entry.machine.fail(f"{type(err).__name__}: {err}", err.parameter if isinstance(err, GrammarError) else None)
             return None
 
     def _fits(self, entry: Entry, alone: bool) -> bool:
