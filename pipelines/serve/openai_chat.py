@@ -49,6 +49,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 def _text_content(message: ChatMessage, index: int) -> dict[str, Any]:
     data = message.model_dump(exclude_none=True)
+    if message.content is None:  # kept: the engine's request says whether a null content is allowed here
+        data["content"] = None
     if isinstance(message.content, list):
         parts = []
         for part in message.content:
