@@ -149,7 +149,7 @@ def query_through_store_actor(cfg: Any, locked: Exception, name: str, call_args:
 
     from .ray_commands import prepare_ray_env
 
-    prepare_ray_env()
+    prepare_ray_env(cfg.ray.connect_timeout_s, cfg.ray.address)
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
