@@ -212,6 +212,9 @@ class IngestConfig:
     timeout_s: float = 5.0
     retries: int = 3
     spool_dir: str = "./artifacts/ingest-spool"
+    # deliveries a spooled payload may fail with the same answer from the backend (a 5xx other
+    # than 502/503/504, which say "not now") before it goes to spool/rejected/ with that answer
+    reject_after: int = 3
     mod_log_max_chars_per_call: int = 16_384
     mod_log_max_chars_per_request: int = 1_048_576
 
@@ -221,6 +224,7 @@ class IngestConfig:
                               parameter="url", value=self.url)
         require_fields(self, "ingest.", [
             ("timeout_s", self.timeout_s > 0, "> 0"), ("retries", self.retries >= 0, ">= 0"),
+            ("reject_after", is_int(self.reject_after) and 1 <= self.reject_after <= 1000, "an integer in [1, 1000]"),
             ("mod_log_max_chars_per_call", is_int(self.mod_log_max_chars_per_call)
              and MOD_LOG_MIN_CHARS <= self.mod_log_max_chars_per_call <= MOD_LOG_MAX_CHARS,
              f"an integer in [{MOD_LOG_MIN_CHARS}, {MOD_LOG_MAX_CHARS}] (room for the truncation marker; "
