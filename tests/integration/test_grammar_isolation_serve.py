@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from tests.serve_helpers import openai_client, openai_server
-from tests.unit.test_grammar_isolation import chain
+from tests.helpers import lark_chain as chain
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -22,7 +22,7 @@ from engine.core.result import FinishReason
 from engine.core.structured import GrammarCompiler, grammar_spec
 from engine.core.structured.budget import count_rules
 from engine.errors import GrammarError
-from tests.helpers import CharTokenizer
+from tests.helpers import CharTokenizer, lark_chain as chain
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -30,11 +30,6 @@ TOK = CharTokenizer()
 EOS = TOK.eos_token_id
 # the limits that let the 5,000-rule chain through to a child (by default it is refused earlier)
 OPEN = StructuredConfig(max_grammar_rules=100_000, max_grammar_bytes=1_000_000)
-
-
-def chain(n: int) -> str:
-    """A Lark grammar of ``n`` rules, each calling the next: its compile recurses ``n`` deep."""
-    return "\n".join(["start: r0", *(f'r{i}: "a{i % 10}" r{i + 1}' for i in range(n - 1)), f'r{n - 1}: "z"'])
 
 
 def lark(text: str):
@@ -68,7 +63,7 @@ def test_the_5000_rule_chain_really_crashes_a_process_that_compiles_it():
     script = textwrap.dedent(f"""
         import sys, llguidance
         from engine.core.structured.native import CHILD_STACK_BYTES, run_with_stack
-        from tests.unit.test_grammar_isolation import chain
+        from tests.helpers import lark_chain as chain
         grammar = llguidance.LLMatcher.grammar_from_lark(chain(int(sys.argv[1])))
         print(run_with_stack(lambda: llguidance.LLMatcher.validate_grammar(grammar), CHILD_STACK_BYTES) or "valid")
     """)
