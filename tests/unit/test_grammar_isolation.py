@@ -152,3 +152,14 @@ def test_a_step_past_the_step_limit_ends_that_request_alone_naming_its_field():
             assert "Too many items (limit 5" in limited.error and "mod" not in limited.error
         else:
             assert limited.output_text == "w7" and limited.error_parameter is None
+
+
+def test_a_schema_nested_past_pythons_recursion_limit_is_refused_naming_it_not_a_recursion_error():
+    schema: dict = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(GrammarError, match=r"`response_format.json_schema.schema` must nest at most 128 levels"):
+        grammar_spec({"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}, None, None)
+    shallow = grammar_spec({"type": "json_schema", "json_schema": {"name": "ok", "schema": {"type": "string"}}},
+                           None, None)
+    assert shallow.parameter == "response_format.json_schema.schema"  # positive control
