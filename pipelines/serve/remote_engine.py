@@ -245,6 +245,10 @@ class RemoteEngine:
         wait = self.accept_timeout_s if timeout is None else min(timeout, self.accept_timeout_s)
         try:
             ray.get(actor.version.remote(), timeout=wait)
+        except ray.exceptions.GetTimeoutError:
+            raise QueueFullError(f"the generator must answer within {wait:g} s (ray.call_timeout_s) after its process "
+                                 "died, got no answer yet (it is restarting): retry later",
+                                 parameter="ray.call_timeout_s") from None
         except Exception as err:
             raise unwrap(err) from None
         self.quarantine.answered(actor)
