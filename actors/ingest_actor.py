@@ -4,7 +4,9 @@
 ``flush_interval_s``, through the one pooled client of :class:`engine.services.ingest_client.IngestClient`
 (retries with backoff; what still fails is spooled to disk). Spooled payloads are replayed after
 every successful send and on start — a restarted actor picks up what its predecessor spooled.
-Delivery is at-least-once, keyed by request_id (the backend upserts).
+Delivery is at-least-once, keyed by request_id (the backend upserts). ``stats`` (what ``raylens
+status`` shows) counts the payloads waiting in the spool and those given up on in
+``spool/rejected/`` (refused, or the same failure ``ingest.reject_after`` times).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import ray
 
 from engine.config import IngestConfig
-from engine.services.ingest_client import DeliveryLedger, IngestClient, spooled_count
+from engine.services.ingest_client import DeliveryLedger, IngestClient, rejected_count, spooled_count
 
 from .versioning import code_version
 
@@ -98,4 +100,5 @@ class IngestActor:
             counts = dict(self._counts)
         spool_files = self._spooled_files()  # before `replayed`: a file is counted before it goes
         replayed = self.client.replayed if self.client is not None else 0
-        return {**counts, "replayed": replayed, "queued": queued, "spool_files": spool_files, "url": self.config.url}
+        return {**counts, "replayed": replayed, "queued": queued, "spool_files": spool_files,
+                "rejected_files": rejected_count(self.config.spool_dir), "url": self.config.url}

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from engine.config import choice_seed
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -40,14 +41,15 @@ class Candidate:
 def generate_candidates(engine: "Engine", request: "GenerationRequest", *, n: int,
                         seed: int | None) -> list[Candidate]:
     """``n`` completions of one request, sorted by ``log_prob``, highest first (ties keep
-    sampling order); candidate ``i`` is the request seeded ``seed + i``, id ``<request_id>-i``."""
+    sampling order); candidate ``i`` is the request seeded ``seed + i`` (modulo 2**64:
+    :func:`~engine.config.choice_seed`), id ``<request_id>-i``."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CANDIDATES:
         raise InvalidRequestError(f"`n` must be an integer in [1, {MAX_CANDIDATES}], got {n!r}", parameter="n",
                                   value=n)
     if request.top_logprobs not in (None, 0):
         raise InvalidRequestError("`top_logprobs` is not taken by candidates", parameter="top_logprobs")
     base = request.request_id
-    handles = [engine.submit(request.replace(seed=None if seed is None else seed + i, top_logprobs=0,
+    handles = [engine.submit(request.replace(seed=choice_seed(seed, i), top_logprobs=0,
                                              request_id=None if base is None else f"{base}-{i}"))
                for i in range(n)]
     out = []

@@ -76,6 +76,12 @@ def freeze_startup_objects() -> None:
         atexit.register(gc.unfreeze)
 
 
+def _kv_capacity_tokens(backend: Backend) -> int:
+    """The most positions the KV pool can hold at once (every block but the scratch one)."""
+    layout = backend.kv_layout
+    return (layout.max_blocks - 1) * layout.block_size
+
+
 class Engine:
     def __init__(self, config: RaylensConfig, *, backend: Backend | None = None) -> None:
         self.config = config
@@ -103,7 +109,8 @@ class Engine:
             tokenizer=self.backend.tokenizer(), vocab_size=info.vocab_size, max_context=info.max_context,
             max_sequence=self.backend.max_sequence, eos_token_ids=info.eos_token_ids,
             defaults=config.generation, load_mods=lambda specs, dirs: load_mods(specs, allowed_dirs=dirs),
-            prefix_caching=self.backend.config.prefix_caching)
+            prefix_caching=self.backend.config.prefix_caching, structured=config.structured,
+            kv_capacity_tokens=_kv_capacity_tokens(self.backend))
         self.output = OutputProcessor(tokenizer=self.backend.tokenizer(), info=info,
                                       backend_type=config.backend.backend_type, layer=config.backend.hidden_state_layer,
                                       ingest=self._ingest, store=self.store, sae_metadata=self._sae_metadata)
@@ -201,6 +208,7 @@ class Engine:
                 handle.result(timeout=60)
             except Exception:  # the caller of that request sees its error
                 pass
+        self.processor.close()
         if self._owns_backend:
             self.loop.close()
         if self.recorder is not None:

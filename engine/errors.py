@@ -19,6 +19,8 @@ __all__ = [
     "InvalidRequestError",
     "TokenOutOfVocabularyError",
     "ContextOverflowError",
+    "GrammarError",
+    "QuarantinedRequestError",
     "IngestError",
     "ClusterCapacityError",
     "ActorStartError",
@@ -73,6 +75,19 @@ class TokenOutOfVocabularyError(InvalidRequestError):
 
 class ContextOverflowError(InvalidRequestError):
     """The prompt does not fit the model's context window."""
+
+
+class GrammarError(InvalidRequestError):
+    """A structured request's grammar (``response_format``, an enforced ``tool_choice``; its field
+    is ``parameter``) is over a ``structured.*`` limit, cannot be compiled, crashed its compile
+    (which runs in a child process, so only that request fails), or failed at a step. Fix or
+    simplify the grammar; retrying the same one fails the same way."""
+
+
+class QuarantinedRequestError(InvalidRequestError):
+    """The request is identical to one that was running alone on a generator when that generator's
+    process died: it is refused for a while instead of being run (and crashing it) again. Change
+    the request; not recoverable by retrying it as it is."""
 
 
 def check_request_token_ids(ids: Any, vocab: int, parameter: str) -> list[int]:

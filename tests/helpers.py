@@ -56,6 +56,12 @@ def build_generation_cfg(**overrides: Any):
     return dataclasses.replace(GenerationConfig(), **overrides)
 
 
+def lark_chain(n: int) -> str:
+    """A Lark grammar of ``n`` rules, each calling the next: llguidance's compile recurses ``n``
+    deep (5,000 overflow an 8 MiB stack: the grammar that used to crash the generator)."""
+    return "\n".join(["start: r0", *(f'r{i}: "a{i % 10}" r{i + 1}' for i in range(n - 1)), f'r{n - 1}: "z"'])
+
+
 # ------------------------------------------------------------------------------ scripted model
 
 

@@ -14,14 +14,15 @@ so commands that only read the store never import torch.
 from __future__ import annotations
 
 from .checks import (I32_MAX, MIN_TEMPERATURE, MOD_LOG_MAX_CHARS, MOD_LOG_MIN_CHARS, REQUEST_ID_MAX_CHARS, SEED_MAX,
-                     DeviceName, DType, check_request_id)
+                     DeviceName, DType, check_request_id, choice_seed)
 from .loading import ENV_VARS, EnvVar, default_config_path, load_config, load_job_config, parse_bool
 from .sections import (ActivationsConfig, BackendConfig, GenerationConfig, IngestConfig, RayConfig, RaylensConfig,
-                       SAEConfig)
+                       SAEConfig, StructuredConfig)
 
 __all__ = [
     "BackendConfig",
     "GenerationConfig",
+    "StructuredConfig",
     "IngestConfig",
     "ActivationsConfig",
     "SAEConfig",
@@ -34,6 +35,7 @@ __all__ = [
     "default_config_path",
     "parse_bool",
     "check_request_id",
+    "choice_seed",
     "I32_MAX",
     "SEED_MAX",
     "MIN_TEMPERATURE",

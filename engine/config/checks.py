@@ -9,7 +9,7 @@ from typing import Any, Literal
 from engine.errors import ConfigError, InvalidRequestError
 
 __all__ = ["require_fields", "is_int", "is_real", "I32_MAX", "SEED_MAX", "MIN_TEMPERATURE", "REQUEST_ID_MAX_CHARS", "MOD_LOG_MIN_CHARS", "MOD_LOG_MAX_CHARS",
-           "check_request_id", "DeviceName", "DType"]
+           "check_request_id", "choice_seed", "DeviceName", "DType"]
 
 DeviceName = str  # "auto" | "cpu" | "mps" | "cuda" | "cuda:N"
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -39,6 +39,13 @@ REQUEST_ID_MAX_CHARS = 255
 #: once JSON-escaped) stays under the backend's 75 MiB body limit.
 MOD_LOG_MIN_CHARS = 256
 MOD_LOG_MAX_CHARS = 8 * 1024 * 1024
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice (or candidate) ``index`` of a request seeded ``seed``: ``seed + index``,
+    wrapping past ``SEED_MAX`` to 0, so every seed a request may carry works with every ``n``
+    (choice 0 keeps the request's own seed). None stays None: each choice draws its own."""
+    return None if seed is None else (seed + index) % (SEED_MAX + 1)
 
 
 def is_int(value: Any) -> bool:

@@ -16,8 +16,8 @@ from engine.errors import ConfigError
 from .checks import (I32_MAX, MIN_TEMPERATURE, MOD_LOG_MAX_CHARS, MOD_LOG_MIN_CHARS, SEED_MAX, DeviceName, DType,
                      _check_device, _DTYPES, is_int, is_real, require_fields)
 
-__all__ = ["BackendConfig", "GenerationConfig", "IngestConfig", "ActivationsConfig", "SAEConfig", "RayConfig",
-           "RaylensConfig", "SECTIONS", "build_section"]
+__all__ = ["BackendConfig", "GenerationConfig", "StructuredConfig", "IngestConfig", "ActivationsConfig", "SAEConfig",
+           "RayConfig", "RaylensConfig", "SECTIONS", "build_section"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,42 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """What one structured request's grammar (``response_format``, an enforced ``tool_choice``)
+    may cost. A grammar is native code's input (llguidance): a long enough chain of rules
+    overflows its compiler's stack and kills the process, and a grammar's per-step work has no
+    bound of its own. So its text is bounded first (``max_grammar_bytes``, ``max_grammar_rules``:
+    Lark rule and terminal definitions, or JSON-schema objects), it is compiled and its first step
+    taken in a child process (``compile_workers`` of them, reused) within ``compile_timeout_s``,
+    and the remaining keys are llguidance's own limits (its ``LLParserLimits``), applied to the
+    compile and to every step's mask: past one, the request fails with an error naming its
+    grammar's field, never the process. Defaults are llguidance 1.9's own, stated here so that a
+    library upgrade cannot change them."""
+
+    max_grammar_bytes: int = 131_072
+    max_grammar_rules: int = 2_000
+    compile_timeout_s: float = 10.0
+    compile_workers: int = 1
+    max_items_in_row: int = 2_000  # branching of one Earley row
+    initial_lexer_fuel: int = 1_000_000  # building the lexer's regexes (~50k per ms)
+    step_lexer_fuel: int = 200_000  # the lexer's work in one step's mask (~14k per ms)
+    step_max_items: int = 50_000  # Earley items in one step's mask (~20k per ms)
+    max_lexer_states: int = 250_000  # lexer states (1-2 kB each)
+    max_grammar_size: int = 500_000  # symbols in the compiled grammar's productions
+
+    def __post_init__(self) -> None:
+        positive = ("max_grammar_bytes", "max_grammar_rules", "compile_workers", "max_items_in_row",
+                    "initial_lexer_fuel", "step_lexer_fuel", "step_max_items", "max_lexer_states", "max_grammar_size")
+        require_fields(self, "structured.", [
+            *[(name, is_int(getattr(self, name)) and 1 <= getattr(self, name) <= I32_MAX,
+               f"an integer in [1, {I32_MAX}]") for name in positive],
+            ("compile_workers", not is_int(self.compile_workers) or self.compile_workers <= 16, "at most 16"),
+            ("compile_timeout_s", is_real(self.compile_timeout_s) and math.isfinite(self.compile_timeout_s)
+             and self.compile_timeout_s > 0, "a finite number > 0"),
+        ])
+
+
+@dataclass(frozen=True)
 class IngestConfig:
     """Where per-request observability payloads go.
 
@@ -176,6 +212,9 @@ class IngestConfig:
     timeout_s: float = 5.0
     retries: int = 3
     spool_dir: str = "./artifacts/ingest-spool"
+    # deliveries a spooled payload may fail with the same answer from the backend (a 5xx other
+    # than 502/503/504, which say "not now") before it goes to spool/rejected/ with that answer
+    reject_after: int = 3
     mod_log_max_chars_per_call: int = 16_384
     mod_log_max_chars_per_request: int = 1_048_576
 
@@ -185,6 +224,7 @@ class IngestConfig:
                               parameter="url", value=self.url)
         require_fields(self, "ingest.", [
             ("timeout_s", self.timeout_s > 0, "> 0"), ("retries", self.retries >= 0, ">= 0"),
+            ("reject_after", is_int(self.reject_after) and 1 <= self.reject_after <= 1000, "an integer in [1, 1000]"),
             ("mod_log_max_chars_per_call", is_int(self.mod_log_max_chars_per_call)
              and MOD_LOG_MIN_CHARS <= self.mod_log_max_chars_per_call <= MOD_LOG_MAX_CHARS,
              f"an integer in [{MOD_LOG_MIN_CHARS}, {MOD_LOG_MAX_CHARS}] (room for the truncation marker; "
@@ -298,6 +338,7 @@ class RayConfig:
 class RaylensConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     sae: SAEConfig = field(default_factory=SAEConfig)
@@ -338,8 +379,9 @@ class RaylensConfig:
                               "activation store (set CONCORDANCE_ACTIVATIONS_ENABLED=true)", parameter="sae.enabled")
 
 
-SECTIONS: dict[str, type] = {"backend": BackendConfig, "generation": GenerationConfig, "ingest": IngestConfig,
-                              "activations": ActivationsConfig, "sae": SAEConfig, "ray": RayConfig}
+SECTIONS: dict[str, type] = {"backend": BackendConfig, "generation": GenerationConfig, "structured": StructuredConfig,
+                              "ingest": IngestConfig, "activations": ActivationsConfig, "sae": SAEConfig,
+                              "ray": RayConfig}
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}

@@ -11,7 +11,7 @@ import dataclasses
 import uuid
 from typing import Any, Callable, Sequence
 
-from engine.config import GenerationConfig
+from engine.config import GenerationConfig, StructuredConfig
 from engine.core.inputs import GENERATION_FIELDS, GenerationRequest
 from engine.core.request import EngineRequest, RequestContext
 from engine.core.structured import GrammarCompiler, grammar_spec
@@ -28,17 +28,26 @@ class InputProcessor:
     def __init__(self, *, tokenizer: Any, vocab_size: int, max_context: int, max_sequence: int,
                  eos_token_ids: Sequence[int], defaults: GenerationConfig,
                  load_mods: Callable[[Sequence[Any], Sequence[str]], list[Callable[..., Any]]],
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, structured: StructuredConfig | None = None,
+                 kv_capacity_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         # the context rule: a prompt must be shorter than the model's context and the KV slot's
         # length (backend.max_sequence), so at least one token can be generated
         self.limit = min(max_context, max_sequence)
+        # the KV pool's size in tokens (None: the backend has no pool): a prompt it cannot hold
+        # with one generated token would never run, so it is refused here, on arrival
+        self.kv_capacity_tokens = kv_capacity_tokens
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.defaults = defaults
         self.prefix_caching = prefix_caching  # a request's default for its `prefix_cache` flag
         self._load_mods = load_mods
-        self.grammars = GrammarCompiler(tokenizer, vocab_size=vocab_size, eos_token_ids=sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(tokenizer, vocab_size=vocab_size, eos_token_ids=sorted(self.eos_token_ids),
+                                        limits=structured)
+
+    def close(self) -> None:
+        """Stop the grammar compiler's child processes."""
+        self.grammars.close()
 
     def encode(self, request: GenerationRequest) -> list[int]:
         """The prompt's token ids: ``input_ids`` as given, else the chat template applied."""
@@ -90,6 +99,12 @@ class InputProcessor:
             raise ContextOverflowError(f"the prompt must be shorter than {self.limit} tokens (the model's context "
                                        f"and backend.max_sequence), got {len(ids)}; shorten it",
                                        parameter="input_ids", value=len(ids))
+        pool = self.kv_capacity_tokens
+        if pool is not None and len(ids) + 1 > pool:
+            raise ContextOverflowError(f"the prompt must fit the KV pool with one generated token, at most {pool - 1} "
+                                       f"tokens (backend.kv_cache_tokens = {pool}), got {len(ids)}; shorten it, or "
+                                       "raise backend.kv_cache_tokens", parameter="backend.kv_cache_tokens",
+                                       value=len(ids))
         mods = tuple(self._load_mods(request.mods, gen.mod_dirs))
         penalty = float(request.repetition_penalty) if request.repetition_penalty is not None else 1.0
         return EngineRequest(

@@ -50,14 +50,30 @@ def _ints(value: Any, name: str) -> tuple[int, ...] | None:
 
 
 def _messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    """Chat messages as the chat template reads them: each ``{role: str, content: str}``. An
+    assistant message that carries ``tool_calls`` may have null (or no) content, as OpenAI's do:
+    it is read as empty text. Any other content that is not a string (null, an object, a number)
+    would fail inside the template, so it is refused here, naming the message."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("`messages` must be a non-empty list of {role, content} objects",
                                   parameter="messages", value=type(messages).__name__)
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise InvalidRequestError(f"`messages[{i}]` must be an object with a string `role`, got {message!r}",
+            raise InvalidRequestError(f"`messages[{i}]` must be an object with a string `role`, got {message!r}"[:300],
                                       parameter=f"messages[{i}]", value=message)
-    return tuple(dict(m) for m in messages)
+        message = dict(message)
+        content = message.get("content")
+        if content is None and message["role"] == "assistant" and message.get("tool_calls"):
+            message["content"] = ""
+        elif not isinstance(content, str):
+            shown = "nothing" if "content" not in message else "null" if content is None else \
+                f"{type(content).__name__} {content!r}"[:120]
+            raise InvalidRequestError(f"`messages[{i}].content` must be a string (null only on an assistant message "
+                                      f"with tool_calls), got {shown}", parameter=f"messages[{i}].content",
+                                      value=content)
+        out.append(message)
+    return tuple(out)
 
 
 def _check_tools(tools: Sequence[Mapping[str, Any]]) -> None:

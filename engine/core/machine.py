@@ -43,6 +43,7 @@ import torch
 from engine.core.actions import Call, PhaseActions, SteerSource, StepPlan
 from engine.core.request import ForwardRecord, RequestState, RequestStatus
 from engine.core.result import FinishReason
+from engine.errors import GrammarError
 from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
 from engine.model.sampling import SampleResult, SampleRow
@@ -74,8 +75,7 @@ def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRun
             results[i] = done.value
             return
         except Exception as err:
-            log.warning("request %s failed: %s: %s", machine.request_id, type(err).__name__, err)
-            machine.fail(f"{type(err).__name__}: {err}")
+            _fault(machine, err)
             return
         waiting.append((i, event))
 
@@ -94,9 +94,15 @@ def run_guarded(machine: "RequestMachine", fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception as err:
-        log.warning("request %s failed: %s: %s", machine.request_id, type(err).__name__, err)
-        machine.fail(f"{type(err).__name__}: {err}")
+        _fault(machine, err)
         return None
+
+
+def _fault(machine: "RequestMachine", err: Exception) -> None:
+    """A fault in one request's part of a step ends it alone; a grammar's names the request field
+    it came from (``response_format``, ``tool_choice``)."""
+    log.warning("request %s failed: %s: %s", machine.request_id, type(err).__name__, err)
+    machine.fail(f"{type(err).__name__}: {err}", err.parameter if isinstance(err, GrammarError) else None)
 
 
 class RequestMachine:
@@ -175,8 +181,8 @@ class RequestMachine:
         if self.state.finish is None:
             self.state.finish_with(FinishReason.CANCELLED)
 
-    def fail(self, message: str) -> None:
-        self.state.fail(message)
+    def fail(self, message: str, parameter: str | None = None) -> None:
+        self.state.fail(message, parameter)
 
     # ------------------------------------------------------------------------------- forward
 

@@ -57,7 +57,8 @@ class OutputProcessor:
             request_id=state.request_id, prompt_ids=list(state.prompt_ids), output_ids=output_ids,
             output_text=output_text, finish_reason=state.finish, events=state.events,  # type: ignore[arg-type]
             actions=state.actions, ignored_actions=state.ignored, payload=payload, metadata=metadata,
-            tool_calls=state.tool_calls, error=state.error, sequence_ids=list(state.generated),
+            tool_calls=state.tool_calls, error=state.error, error_parameter=state.error_parameter,
+            sequence_ids=list(state.generated),
             token_logprobs=list(state.logprobs) if state.request.logprobs >= 0 else None,
         )
         if self.store is not None:

@@ -137,6 +137,7 @@ class RequestState:
     forced_output: list[int] | None = None
     tool_calls: list[Any] | None = None
     error: str | None = None
+    error_parameter: str | None = None  # the request's own field at fault (its grammar's), when one is
     events: list[ModEvent] = field(default_factory=list)
     actions: list[ModAction] = field(default_factory=list)
     ignored: list[IgnoredAction] = field(default_factory=list)
@@ -244,22 +245,24 @@ class RequestState:
         self.forced_queue.clear()
         return tokens
 
-    def finish_with(self, reason: FinishReason, *, error: str | None = None, output: list[int] | None = None,
-                    tool_calls: list[Any] | None = None) -> None:
+    def finish_with(self, reason: FinishReason, *, error: str | None = None, error_parameter: str | None = None,
+                    output: list[int] | None = None, tool_calls: list[Any] | None = None) -> None:
         """End the request: the one place its status becomes FINISHED and its finish reason is set.
         The first reason stands, except that an error replaces any other (a fault found after a
-        stop still ends the request as a fault); ``output`` (ForceOutput's tokens) and
-        ``tool_calls`` go with the reason that set them."""
+        stop still ends the request as a fault); ``output`` (ForceOutput's tokens), ``tool_calls``
+        and an error's message and parameter (the request field at fault, when one is) go with
+        the reason that set them."""
         if self.finish is not None and (self.finish is FinishReason.ERROR or reason is not FinishReason.ERROR):
             return
         self.finish, self.status = reason, RequestStatus.FINISHED
         if error is not None:
-            self.error = error
+            self.error, self.error_parameter = error, error_parameter
         if output is not None:
             self.forced_output = output
         if tool_calls is not None:
             self.tool_calls = tool_calls
 
-    def fail(self, message: str) -> None:
-        """End the request with finish reason ``error`` (its neighbours are unaffected)."""
-        self.finish_with(FinishReason.ERROR, error=message)
+    def fail(self, message: str, parameter: str | None = None) -> None:
+        """End the request with finish reason ``error`` (its neighbours are unaffected);
+        ``parameter``: the request field at fault, when one is."""
+        self.finish_with(FinishReason.ERROR, error=message, error_parameter=parameter)

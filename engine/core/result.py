@@ -48,6 +48,8 @@ class GenerationResult:
     ``sequence_ids``: what the model read after the prompt (stop ids kept, unlike ``output_ids``).
     ``token_logprobs``: each generated token's log-prob under the distribution it was drawn from
     (None for forced tokens), when the request asked for log-probs; else None.
+    ``error_parameter``: with finish reason ``error``, the request's own field at fault (its
+    grammar's, e.g. ``response_format.grammar``); None when a mod or the engine ended it.
     """
 
     request_id: str
@@ -64,6 +66,7 @@ class GenerationResult:
     error: str | None = None
     sequence_ids: list[int] = field(default_factory=list, repr=False)
     token_logprobs: list[float | None] | None = field(default=None, repr=False)
+    error_parameter: str | None = None
 
     def portable(self, **metadata: Any) -> "GenerationResult":
         """This result for another process (a Ray job's driver, a Serve replica): the same type
@@ -81,6 +84,7 @@ class GenerationResult:
             "finish_reason": str(self.finish_reason),
             "tool_calls": self.tool_calls,
             "error": self.error,
+            "error_parameter": self.error_parameter,
             "actions": [
                 {"type": type(a).__name__, "mod": getattr(a, "_source", None)} for a in self.actions
             ],

@@ -7,6 +7,14 @@ the next successful delivery (or by :meth:`IngestClient.replay_spool`). A 4xx ot
 means the backend rejects the payload itself: it goes to ``<spool>/rejected/`` with the
 response, for a person to look at. Nothing is dropped.
 
+Not every 5xx says "later": a database refusing a value answers 500 every time. An unreachable
+backend, a 429 or a 502/503/504 is transient (a replay stops there and waits); any other 5xx is an
+answer about that payload: the replay goes on with the next file, and a payload that got the same
+status ``ingest.reject_after`` times (counted on disk, in ``<spool>/attempts/``, so restarts and
+other processes count too) goes to ``rejected/`` with the backend's last answer. Before any post,
+text Postgres cannot store (NUL, lone surrogates) is replaced and the payload says so
+(:mod:`engine.services.payload_text`).
+
 Delivery is at-least-once: the backend upserts by ``request_id``, so a replay after an
 ambiguous failure is harmless. One replay runs at a time per client (a second caller, e.g. a send's
 replay while a flusher thread replays, skips it rather than posting the same files again), and
@@ -34,14 +42,17 @@ from typing import Any, Sequence
 import httpx
 
 from engine.config import IngestConfig
+from engine.services.payload_text import storable
 from engine.services.strict_json import dumps
 
-__all__ = ["IngestClient", "Delivery", "spool_path", "spooled_count"]
+__all__ = ["IngestClient", "Delivery", "spool_path", "spooled_count", "rejected_count"]
 
 log = logging.getLogger("raylens.ingest")
 
 _MAX_BACKOFF_S = 2.0
 _MAX_RETRY_AFTER_S = 5.0
+#: statuses that say "not now" (overloaded, a proxy without its upstream): never held against a payload
+_TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,12 @@ def _write_atomic(path: Path, payload: dict[str, Any], note: str | None = None) 
 def spooled_count(spool_dir: str | Path) -> int:
     """Payloads waiting in the spool (rejected ones, in ``rejected/``, are not waiting)."""
     root = Path(spool_dir)
+    return len(list(root.glob("*.json"))) if root.is_dir() else 0
+
+
+def rejected_count(spool_dir: str | Path) -> int:
+    """Payloads given up on, kept in ``rejected/`` with the backend's answer."""
+    root = Path(spool_dir) / "rejected"
     return len(list(root.glob("*.json"))) if root.is_dir() else 0
 
 
@@ -118,10 +135,11 @@ class IngestClient:
         """One delivery with retries → (status, error, retryable)."""
         error: str | None = None
         status: int | None = None
+        body = dumps(payload)
         for attempt in range(self.config.retries + 1):
             delay = min(_MAX_BACKOFF_S, 0.25 * 2**attempt)
             try:
-                response = self._client.post(self.config.url, content=dumps(payload))
+                response = self._client.post(self.config.url, content=body)
             except httpx.TransportError as err:
                 status, error = None, f"{type(err).__name__}: {err}"
             else:
@@ -139,6 +157,7 @@ class IngestClient:
         return status, error, True
 
     def send(self, payload: dict[str, Any]) -> Delivery:
+        payload = storable(payload)
         request_id = str(payload.get("request", {}).get("request_id", "request"))
         status, error, retryable = self._post(payload)
         if error is None:
@@ -146,8 +165,32 @@ class IngestClient:
             return Delivery(request_id, True, status)
         path = spool_path(self.config.spool_dir, request_id, rejected=not retryable)
         _write_atomic(path, payload, None if retryable else error)
+        if retryable and _answered(status):
+            path = self._held_against(path, payload, status, error)  # type: ignore[arg-type]
         log.warning("ingest of %s failed (%s); payload kept in %s", request_id, error, path)
         return Delivery(request_id, False, status, str(path), error)
+
+    def _held_against(self, path: Path, payload: dict[str, Any], status: int, error: str | None) -> Path:
+        """The backend answered ``status`` (a non-transient 5xx) for the payload spooled at
+        ``path``: count it; the ``reject_after``-th answer with that status moves the payload to
+        ``rejected/`` with the answer. Where the payload is now."""
+        ledger = Path(self.config.spool_dir) / "attempts" / path.name
+        try:
+            seen = json.loads(ledger.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            seen = {}
+        count = int(seen.get("count", 0)) + 1 if seen.get("status") == status else 1
+        if count < self.config.reject_after:
+            ledger.parent.mkdir(parents=True, exist_ok=True)
+            ledger.write_text(json.dumps({"status": status, "count": count, "answer": error}), encoding="utf-8")
+            return path
+        rejected = Path(self.config.spool_dir) / "rejected" / path.name
+        _write_atomic(rejected, payload, f"the backend answered HTTP {status} {count} times "
+                                         f"(ingest.reject_after = {self.config.reject_after}); last: {error}")
+        path.unlink(missing_ok=True)
+        ledger.unlink(missing_ok=True)
+        log.error("ingest gave up on %s after %d identical answers; kept in %s", path.name, count, rejected)
+        return rejected
 
     def replay_spool(self) -> tuple[int, int]:
         """Send spooled payloads, oldest first → (delivered, still spooled). Stops at the first
@@ -165,7 +208,7 @@ class IngestClient:
         delivered = 0
         for path in files:
             try:
-                payload = json.loads(path.read_text(encoding="utf-8"))
+                payload = storable(json.loads(path.read_text(encoding="utf-8")))  # spooled by an older version too
             except FileNotFoundError:  # replayed meanwhile by another process sharing the spool
                 continue
             except (OSError, json.JSONDecodeError) as err:
@@ -176,13 +219,23 @@ class IngestClient:
                 with self._count_lock:  # counted before the file goes (see the module docstring)
                     self._replayed += 1
                 path.unlink(missing_ok=True)
+                (root / "attempts" / path.name).unlink(missing_ok=True)
                 delivered += 1
+            elif retryable and not _answered(status):
+                break  # the backend is unreachable or says "not now": the rest waits too
             elif retryable:
-                break
+                self._held_against(path, payload, status, error)  # type: ignore[arg-type]
             else:
                 _write_atomic(root / "rejected" / path.name, payload, error)  # keeps its unique name
                 path.unlink(missing_ok=True)
+                (root / "attempts" / path.name).unlink(missing_ok=True)
         return delivered
+
+
+def _answered(status: int | None) -> bool:
+    """The backend answered about this payload (a 5xx that is not "not now"), rather than being
+    unreachable or busy."""
+    return status is not None and status >= 500 and status not in _TRANSIENT_STATUSES
 
 
 class DeliveryLedger:

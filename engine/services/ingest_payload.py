@@ -362,7 +362,10 @@ class PayloadBuilder:
 
     def build(self, *, final_ids: Sequence[int], final_text: str, finish_reason: str, prompt_tokens: int,
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The JSON payload; call once, after the loop."""
+        """The JSON payload; call once, after the loop. The request's outcome — ``finish_reason``
+        and ``extra``'s non-null entries (its ``tool_calls``, its ``error``) — goes into
+        ``request.inference_stats``: the backend stores that object (JSONB) and has no column of
+        its own for them, so anywhere else in the request they would be dropped without a trace."""
         if self._top:
             values = torch.stack([v[b] for _, v, _, b in self._top])[:, :TOP_TOKENS].cpu()  # one device→host copy
             indices = torch.stack([i[b] for _, _, i, b in self._top])[:, :TOP_TOKENS].cpu()
@@ -385,14 +388,13 @@ class PayloadBuilder:
             "completed_at": iso_time(datetime.now(timezone.utc).timestamp()),
             "final_token_ids": [int(t) for t in final_ids if int(t) >= 0],
             "final_text": final_text,
-            "finish_reason": finish_reason,
             "inference_stats": {"prompt_tokens": prompt_tokens, "generated_tokens": len(final_ids),
-                                "total_tokens": prompt_tokens + len(final_ids)},
+                                "total_tokens": prompt_tokens + len(final_ids), "finish_reason": finish_reason,
+                                **{k: _jsonable(v) for k, v in (extra or {}).items() if v is not None}},
         })
         if self._budget.cut_chars or self._budget.cut_entries:
             request["inference_stats"]["mod_logs_cut"] = {"characters": self._budget.cut_chars,
                                                           "entries": self._budget.cut_entries}
-        request.update(extra or {})
         return {
             "request": request,
             "events": [_with_iso(r) for r in self._events],

@@ -1,11 +1,14 @@
 """A development ingest server: the Concordance backend's ``POST /v1/ingest`` contract, locally.
 
 For users without the Rust backend, and for tests. It checks each payload as the backend does
-(the JSON schema, then the position cross-references the schema cannot express) and keeps it in
-a DuckDB file, upserting by ``request_id`` so a re-sent payload replaces the earlier one.
+(the JSON schema, then the position cross-references the schema cannot express), refuses what the
+backend's Postgres refuses to store — a NUL character or a lone surrogate in any string — with
+the same 500 (raylens' client replaces those before sending), and keeps it in a DuckDB file,
+upserting by ``request_id`` so a re-sent payload replaces the earlier one.
 
     POST /v1/ingest           201 (empty body) | 400 {"error": …} | 411 without Content-Length
                               | 413 over 75 MiB | 415 without a JSON content type
+                              | 500 text the database cannot store
     GET  /v1/ingest           {"count": N, "request_ids": [...]}
     GET  /v1/ingest/<id>      the stored payload | 404
     GET  /healthz             {"ok": true}
@@ -38,6 +41,7 @@ import duckdb
 
 from engine.errors import ConfigError
 from engine.schemas import payload_validator
+from engine.services.payload_text import unstorable_fields
 from engine.services.strict_json import dumps
 
 __all__ = ["IngestServer", "check_payload", "parse_strict_json", "MalformedJSON"]
@@ -170,6 +174,11 @@ class _Handler(BaseHTTPRequestHandler):
         problem = check_payload(payload)
         if problem is not None:
             return self._reply(HTTPStatus.BAD_REQUEST, {"error": problem})
+        unstorable = unstorable_fields(payload)
+        if unstorable:  # Postgres: "unsupported Unicode escape sequence", answered as a 500
+            return self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {
+                "error": f"database error: unsupported Unicode escape sequence (\\u0000 or a lone surrogate cannot "
+                         f"be converted to text) at {unstorable[0]}"})
         self.server.store(payload)
         self._reply(HTTPStatus.CREATED)
 

@@ -21,6 +21,9 @@ def _read_json(path: str, what: str) -> Any:
         raise UsageError(f"{what} `{path}` does not exist")
     try:
         return json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{what} `{path}` must be UTF-8 text, got byte 0x{err.object[err.start]:02x} at offset "
+                         f"{err.start}; save it as UTF-8") from None
     except json.JSONDecodeError as err:
         raise UsageError(f"{what} `{path}` is not valid JSON: line {err.lineno}: {err.msg}") from None
 

@@ -27,13 +27,26 @@ REPO = Path(__file__).resolve().parents[2]
 _UPLOAD_EXCLUDES = [".venv", ".git", "artifacts", "bench-results", "**/__pycache__", "*.duckdb", "*.duckdb.wal"]
 
 
-def prepare_ray_env(connect_timeout_s: float | None = None) -> None:
-    """Set ``RAY_AUTH_MODE=token`` when a token exists, and bound how long ``ray.init`` retries a
-    GCS that does not answer (it would retry for tens of seconds); must run before ``import ray``."""
+def prepare_ray_env(connect_timeout_s: float | None = None, address: str | None = None) -> None:
+    """Set ``RAY_AUTH_MODE=token`` when a token exists, bound how long ``ray.init`` retries a GCS
+    that does not answer (it would retry for tens of seconds), and keep a cluster on loopback on
+    loopback; must run before ``import ray``.
+
+    On Linux Ray dials a loopback address (``127.0.0.1:6379``) at this machine's outward address
+    instead, unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` is set when Ray is imported; a head
+    started on loopback does not answer there, and ``ray.init`` retries for ever. So when the
+    address this command joins (``RAY_ADDRESS`` first, as Ray reads it, else ``address``) is on
+    loopback, the variable is set here unless the user set it. (``auto`` is resolved by Ray
+    itself, after it is imported: :func:`pipelines.cluster.connection.connect` then refuses a
+    loopback cluster Ray would dial elsewhere, in one line.)"""
     if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
         os.environ["RAY_AUTH_MODE"] = "token"
     if connect_timeout_s is not None:
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(max(1, math.ceil(connect_timeout_s))))
+    from pipelines.cluster.addresses import is_loopback_address  # imports no Ray
+
+    if is_loopback_address(os.environ.get("RAY_ADDRESS") or address or ""):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 # --------------------------------------------------------------------------------------- submit
@@ -115,7 +128,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from engine.config import load_config
 
     config = load_config(args.config)
-    prepare_ray_env(config.ray.connect_timeout_s)
+    prepare_ray_env(config.ray.connect_timeout_s, args.address or config.ray.address)
     import ray
 
     from pipelines.cluster.actor_specs import INGEST, STORE, actor_roles
@@ -150,7 +163,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     from engine.config import load_config
 
     config = load_config(args.config)
-    prepare_ray_env(config.ray.connect_timeout_s)
+    prepare_ray_env(config.ray.connect_timeout_s, args.address or config.ray.address)
     import ray
 
     from pipelines.cluster.actor_specs import actor_names

@@ -93,7 +93,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                              allow_mod_registration=args.allow_mod_registration, max_new_tokens=args.max_new_tokens,
                              max_ws_connections=args.max_ws_connections, request_timeout_s=args.request_timeout_s)
     config = load_config(args.config)
-    prepare_ray_env()
+    prepare_ray_env(address=args.address or config.ray.address)
     from pipelines.serve.deployment import serve_forever
 
     return serve_forever(config, settings, args.address)

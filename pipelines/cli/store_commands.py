@@ -116,13 +116,29 @@ def _cmd_query(args: argparse.Namespace) -> int:
         table = query_through_store_actor(cfg, locked, name, call_args, call_kwargs)
     else:
         with store:
-            table = getattr(queries, name)(store, *call_args, **call_kwargs)
+            table = _run_query(store, name, call_args, call_kwargs)
     if args.what in ("deltas", "threshold", "tokens") and not args.ids_only:
         tokenizer = _tokenizer(cfg)
         if tokenizer is not None:
             table = queries.decode_tokens(table, tokenizer)
     _print(table, args.json)
     return 0
+
+
+def _run_query(store: Any, name: str, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> Any:
+    """Query ``name`` on a store opened here. DuckDB finds a damaged block only when a query reads
+    it; then the store is verified, so the error is the one ``store info`` gives (naming the damaged
+    table), not a traceback."""
+    import duckdb
+
+    from engine.services import queries
+    from engine.services.store import StoreError
+
+    try:
+        return getattr(queries, name)(store, *call_args, **call_kwargs)
+    except duckdb.Error as err:
+        store.verify()  # raises StoreCorruptError naming the damaged table
+        raise StoreError(f"the query `{name}` failed on `{store.db_path}`: {str(err).splitlines()[0]}") from None
 
 
 def query_through_store_actor(cfg: Any, locked: Exception, name: str, call_args: tuple[Any, ...],
@@ -134,7 +150,7 @@ def query_through_store_actor(cfg: Any, locked: Exception, name: str, call_args:
 
     from .ray_commands import prepare_ray_env
 
-    prepare_ray_env()
+    prepare_ray_env(cfg.ray.connect_timeout_s, cfg.ray.address)
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 

@@ -13,6 +13,7 @@ import ray
 
 from engine.config import RaylensConfig
 from engine.errors import ClusterUnreachableError
+from pipelines.cluster.addresses import is_loopback_address
 
 __all__ = ["connect", "probe_address", "resolve_auto"]
 
@@ -27,6 +28,7 @@ def connect(config: RaylensConfig, address: str | None = None) -> None:
         return
     target = resolve_auto(address or config.ray.address)
     probe_address(target, config.ray.connect_timeout_s, what="Ray cluster (GCS)", key="ray.address")
+    _probe_dialed(target, config.ray.connect_timeout_s)
     try:
         ray.init(address=target, namespace=config.ray.namespace, log_to_driver=False, configure_logging=False)
     except ConnectionError as err:
@@ -34,6 +36,28 @@ def connect(config: RaylensConfig, address: str | None = None) -> None:
             f"`ray.address` must reach a running Ray cluster, got {target!r} ({_last_error_line(err)}). Start one "
             "with `ray start --head --node-ip-address 127.0.0.1`, or pass --address HOST:PORT",
             parameter="ray.address", value=target) from None
+
+
+def _probe_dialed(target: str, timeout: float) -> None:
+    """Ray dials a loopback address at this machine's outward address unless
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` was set when it was imported; a head started on
+    loopback does not answer there and ``ray.init`` retries for ever. The address Ray will really
+    dial is probed too, so that case is one line within the time-out."""
+    if not is_loopback_address(target):
+        return
+    from ray._private.services import canonicalize_bootstrap_address  # Ray's own rewrite
+
+    dialed = canonicalize_bootstrap_address(target)
+    if dialed is None or dialed == target:
+        return
+    try:
+        probe_address(dialed, timeout, what="Ray cluster (GCS)", key="ray.address")
+    except ClusterUnreachableError as err:
+        raise ClusterUnreachableError(
+            f"`ray.address` {target!r} answers on loopback, but Ray dials it as {dialed!r} (this machine's outward "
+            f"address), where nothing answers within {timeout:g}s: Ray was imported without "
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0. Export it (as for `ray start` on loopback), or start the head on "
+            "the outward address", parameter="ray.address", value=target) from err
 
 
 def resolve_auto(address: str) -> str:

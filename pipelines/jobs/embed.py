@@ -3,8 +3,10 @@
     ray job submit --working-dir . -- python -m pipelines.jobs.embed --texts-file states.txt \\
         --out embeddings.parquet --workdir $PWD [--layer L] [--pool mean|last]
 
-A texts file holds one text per line (blank lines are skipped), or, when it ends in ``.jsonl``,
-one JSON string or ``{"text": ...}`` object per line, for texts that contain newlines. The whole
+A texts file holds one text per line, or, when it ends in ``.jsonl``, one JSON string or
+``{"text": ...}`` object per line, for texts that contain newlines. Row *i* of the output is line
+*i* of the file, so a blank line before the last text is refused (blank lines at the end are
+ignored: they shift nothing); so is a file that is not UTF-8. The whole
 file is checked before anything runs; a bad line is named (``states.jsonl:7: …``) and the job
 exits 2. Relative paths are taken under ``--workdir`` (a Ray Job runs in a copy of its working
 dir, so pass ``--workdir $PWD`` to keep the output where you are).
@@ -52,10 +54,19 @@ def read_texts(path: str | Path) -> list[TextLine]:
         raise InvalidRequestError(f"`--texts-file` must be an existing file, got `{file}`", parameter="texts_file",
                                   value=str(file))
     as_json = file.suffix == ".jsonl"
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise InvalidRequestError(f"`--texts-file` must be UTF-8 text, got byte 0x{err.object[err.start]:02x} at "
+                                  f"offset {err.start} of `{file}`; save it as UTF-8", parameter="texts_file",
+                                  value=str(file)) from None
+    while lines and not lines[-1].strip():  # blank lines at the end shift no row
+        lines.pop()
     texts = []
-    for number, raw in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
-            continue
+            raise InvalidRequestError(f"{file}:{number}: each line must be a text (row {number} of the output is line "
+                                      f"{number}), got a blank line; remove it", parameter="texts_file", value=number)
         if not as_json:
             texts.append(TextLine(number, raw))
             continue

@@ -103,8 +103,13 @@ def read_prompts(path: str | Path) -> list[PromptLine]:
     file = Path(path)
     if not file.is_file():
         raise InputError(f"prompts file `{file}` does not exist")
+    try:
+        content = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise InputError(f"prompts file `{file}` must be UTF-8 text, got byte 0x{err.object[err.start]:02x} at offset "
+                         f"{err.start}; save it as UTF-8") from None
     lines = []
-    for number, text in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, text in enumerate(content.splitlines(), start=1):
         if text.strip():
             lines.append(PromptLine(number, parse_line(text, f"{file}:{number}")))
     if not lines:

@@ -29,7 +29,7 @@ from engine.errors import InvalidRequestError
 from .bridge import Stream, open_stream
 from .codec import AttentionEncoding, encode_attention
 from .engine_stream import Erased, TokenEvent
-from .errors import ApiError, ErrorCode, api_error_from, validation_error
+from .errors import ApiError, ErrorCode, api_error_from, result_error, validation_error
 from .service import Service
 
 __all__ = ["router", "GenerateRequest"]
@@ -307,7 +307,7 @@ async def generation_messages(service: Service, body: GenerateRequest, *,
         stream.cancel()
     finish = str(result.finish_reason)
     if finish == "error":
-        raise ApiError(ErrorCode.MOD_ERROR, f"a mod ended the request with an error: {result.error}")
+        raise result_error(result)
     yield {"type": "done", "request_id": request_id, "finish_reason": _FINISH.get(finish, finish),
            "total_tokens": sent, "generation_time_ms": round((time.perf_counter() - started) * 1000.0, 3)}, None
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["ErrorCode", "ApiError", "api_error_from", "validation_error", "is_lost_actor"]
+__all__ = ["ErrorCode", "ApiError", "api_error_from", "result_error", "validation_error", "is_lost_actor"]
 
 
 class ErrorCode(str, Enum):
@@ -31,6 +31,7 @@ class ErrorCode(str, Enum):
     FORBIDDEN = "FORBIDDEN"
     NOT_FOUND = "NOT_FOUND"
     MOD_ERROR = "MOD_ERROR"
+    QUARANTINED = "QUARANTINED"
     FEATURES_UNAVAILABLE = "FEATURES_UNAVAILABLE"
     NO_STORE = "NO_STORE"
     OOM = "OOM"
@@ -50,7 +51,7 @@ _STATUS = {
     ErrorCode.MESSAGE_TOO_LARGE: 413, ErrorCode.TOO_MANY_CONNECTIONS: 429, ErrorCode.QUEUE_FULL: 503,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.TIMEOUT: 504, ErrorCode.UNAUTHORIZED: 401, ErrorCode.FORBIDDEN: 403, ErrorCode.NOT_FOUND: 404,
-    ErrorCode.MOD_ERROR: 400, ErrorCode.FEATURES_UNAVAILABLE: 501,
+    ErrorCode.MOD_ERROR: 400, ErrorCode.QUARANTINED: 400, ErrorCode.FEATURES_UNAVAILABLE: 501,
     ErrorCode.NO_STORE: 404, ErrorCode.OOM: 503, ErrorCode.NO_MODEL: 503,
     ErrorCode.INTERNAL: 500,
 }
@@ -108,6 +109,8 @@ def api_error_from(err: BaseException) -> ApiError:
         return ApiError(ErrorCode.INVALID_TOKEN, str(err), parameter)
     if isinstance(err, engine_errors.ContextOverflowError):
         return ApiError(ErrorCode.CONTEXT_TOO_LONG, str(err), parameter)
+    if isinstance(err, engine_errors.QuarantinedRequestError):
+        return ApiError(ErrorCode.QUARANTINED, str(err), parameter)
     if is_lost_actor(err):
         return ApiError(ErrorCode.UNAVAILABLE, "the generator actor serving this request was lost (it died or its "
                                                "node left); the server resolves it again: retry in a few seconds.",
@@ -123,6 +126,16 @@ def api_error_from(err: BaseException) -> ApiError:
         return ApiError(ErrorCode.OOM, str(err).splitlines()[0] if str(err) else "out of memory", None,
                         _memory_fields())
     return ApiError(ErrorCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
+
+
+def result_error(result: Any) -> ApiError:
+    """The coded error of a result that ended with finish reason ``error``: its request's own field
+    when one was at fault (a grammar that failed at a step: ``INVALID_REQUEST`` naming it), else
+    what a mod or the engine reported (``MOD_ERROR``)."""
+    parameter = getattr(result, "error_parameter", None)
+    if parameter:
+        return ApiError(ErrorCode.INVALID_REQUEST, str(result.error), parameter)
+    return ApiError(ErrorCode.MOD_ERROR, f"a mod ended the request with an error: {result.error}")
 
 
 #: what a 503 tells the client to wait (``Retry-After``): a restarted generator reloads its model

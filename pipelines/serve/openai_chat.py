@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 from engine.core.inputs import GenerationRequest
 from engine.errors import InvalidRequestError
 
-from .errors import ApiError, ErrorCode, api_error_from
+from .errors import ApiError, ErrorCode, api_error_from, result_error
 from .openai_choices import Choice, interleave, open_choices, seeded
 from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, parse_stops, stream_options, usage, refuse_unsupported,
                             resolve_model, service_of, sse, tool_calls)
@@ -49,6 +49,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 def _text_content(message: ChatMessage, index: int) -> dict[str, Any]:
     data = message.model_dump(exclude_none=True)
+    if message.content is None:  # kept: the engine's request says whether a null content is allowed here
+        data["content"] = None
     if isinstance(message.content, list):
         parts = []
         for part in message.content:
@@ -102,7 +104,7 @@ class ChatCall:
         """(finish_reason, content, tool_calls) of a finished choice."""
         reason = str(result.finish_reason)
         if reason == "error":
-            raise ApiError(ErrorCode.MOD_ERROR, f"a mod ended the request with an error: {result.error}")
+            raise result_error(result)
         if text.stopped_by_string:
             return "stop", text.text(), None
         if reason == "tool_calls":

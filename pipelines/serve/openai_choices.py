@@ -13,6 +13,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
+from engine.config import choice_seed
 from engine.core.inputs import GenerationRequest
 
 from .bridge import Stream, open_stream
@@ -54,11 +55,11 @@ class Choice:
 
 
 def seeded(request: GenerationRequest, n: int) -> list[GenerationRequest]:
-    """``n`` copies of ``request``, copy ``i`` seeded ``seed + i`` (unseeded copies stay unseeded:
+    """``n`` copies of ``request``, copy ``i`` seeded ``seed + i`` modulo 2**64 (unseeded copies stay unseeded:
     each draws its own), as :meth:`engine.Engine.candidates` seeds its candidates."""
     if n == 1:
         return [request]
-    return [request.replace(seed=None if request.seed is None else request.seed + i) for i in range(n)]
+    return [request.replace(seed=choice_seed(request.seed, i)) for i in range(n)]
 
 
 async def open_choices(service: Service, requests: Sequence[GenerationRequest],

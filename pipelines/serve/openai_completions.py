@@ -32,7 +32,7 @@ from fastapi.responses import StreamingResponse
 from engine.core.inputs import GenerationRequest
 from engine.errors import InvalidRequestError
 
-from .errors import ApiError, ErrorCode, api_error_from
+from .errors import ApiError, ErrorCode, api_error_from, result_error
 from .openai_choices import Choice, interleave, open_choices, seeded
 from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, parse_stops, stream_options, usage, refuse_unsupported,
                             resolve_model, service_of, sse)
@@ -169,7 +169,7 @@ class CompletionCall:
         """(finish_reason, generated text) of a finished choice."""
         reason = str(result.finish_reason)
         if reason == "error":
-            raise ApiError(ErrorCode.MOD_ERROR, f"a mod ended the request with an error: {result.error}")
+            raise result_error(result)
         if text.stopped_by_string or reason == "cancelled":
             return "stop", text.text()
         return ("length" if reason == "length" else "stop"), result.output_text

@@ -8,9 +8,9 @@ value gets the same error whichever door it came through. Fields that cannot cha
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 __all__ = ["OpenAIErrorBody", "ERRORS", "ChatMessage", "EngineFields", "ChatCompletionRequest", "CompletionRequest", "ModPayload",
            "MAX_CHOICES", "MAX_PROMPTS", "MAX_TOTAL_CHOICES", "MAX_LEGACY_LOGPROBS"]
@@ -24,6 +24,11 @@ MAX_PROMPTS = 64
 MAX_TOTAL_CHOICES = 64
 #: OpenAI's bound on legacy completions' ``logprobs``
 MAX_LEGACY_LOGPROBS = 5
+
+
+#: a JSON number: an int or a float, never a numeric string (``"5"``) or a boolean, which pydantic's
+#: lax mode would turn into 5.0 or 1.0 behind the caller's back
+Number = Annotated[float, Strict()]
 
 
 class OpenAIErrorBody(BaseModel):
@@ -47,16 +52,17 @@ class EngineFields(BaseModel):
     so the schema states only types."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-    temperature: float | None = Field(None, le=2, description=">= 0; 0 is greedy")
-    top_p: float | None = Field(None, description="in (0, 1]")
+    temperature: Number | None = Field(None, le=2, description=">= 0; 0 is greedy")
+    top_p: Number | None = Field(None, description="in (0, 1]")
     top_k: int | None = Field(None, strict=True, description=">= 0; 0 disables top-k")
     ignore_eos: bool | None = Field(None, strict=True, description="true: EOS does not end the answer")
     min_tokens: int | None = Field(None, strict=True, description=">= 0: EOS and stop tokens are not drawn before "
                                                                   "this many tokens")
-    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] added to its logit")
-    presence_penalty: float | None = Field(None, description="in [-2, 2] (OpenAI's rule over generated tokens)")
-    frequency_penalty: float | None = Field(None, description="in [-2, 2] (OpenAI's rule over generated tokens)")
-    repetition_penalty: float | None = Field(None, le=100, description="> 0; 1 is off")
+    logit_bias: dict[str, Number] | None = Field(None, description="token id -> bias in [-100, 100] added to its "
+                                                                   "logit (a JSON number)")
+    presence_penalty: Number | None = Field(None, description="in [-2, 2] (OpenAI's rule over generated tokens)")
+    frequency_penalty: Number | None = Field(None, description="in [-2, 2] (OpenAI's rule over generated tokens)")
+    repetition_penalty: Number | None = Field(None, le=100, description="> 0; 1 is off")
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object, json_schema (enforced by a grammar), or raylens' regex / grammar")
     prefix_cache: bool | None = Field(None, strict=True, description="extension: false skips the prefix cache for "
@@ -79,7 +85,8 @@ class ChatCompletionRequest(EngineFields):
     max_tokens: int | None = Field(None, strict=True, description=">= 1 (and at most the server's serve.max_new_tokens)")
     max_completion_tokens: int | None = Field(None, strict=True, description="as max_tokens; takes precedence")
     n: int = Field(1, ge=1, le=MAX_CHOICES, strict=True,
-                   description=f"in [1, {MAX_CHOICES}]; choice i is seeded seed + i, all n run as one batch")
+                   description=f"in [1, {MAX_CHOICES}]; choice i is seeded (seed + i) mod 2**64, all n run as one "
+                               "batch")
     stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
@@ -118,7 +125,8 @@ class CompletionRequest(EngineFields):
     stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]; choice i is seeded seed + i")
+    seed: int | None = Field(None, strict=True, description="in [0, 2**64 - 1]; choice i is seeded (seed + i) mod "
+                                                             "2**64")
     logprobs: int | None = Field(None, ge=0, le=MAX_LEGACY_LOGPROBS, strict=True,
                                  description=f"in [0, {MAX_LEGACY_LOGPROBS}]: each token's log-prob and that many "
                                              "alternatives")

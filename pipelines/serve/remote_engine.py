@@ -10,6 +10,10 @@ streams with job requests, and the SAE workers, StoreActor and IngestActor recor
   ``RayTaskError`` wrapper is removed: :func:`unwrap`).
 * The handle (:class:`RemoteHandle`) yields the actor's ``TokenEvent`` / ``Erased`` as they come;
   ``cancel()`` asks the actor to end the request (a client that left frees its batch slot).
+* A generator whose process dies fails the requests it was running with a retryable error (503);
+  one that was this server's only request on it is quarantined (:mod:`.quarantine`): it is not
+  retried here, and an identical request is refused (``QUARANTINED``, 400) for a while instead of
+  crashing the generator again.
 * The tokenizer is loaded here (tokenizer files only, no weights), for the routes' per-token
   decoding; prompts are encoded by the actor (``encode``), exactly as requests are.
 * Mods travel as their payload dicts (``mods_as_payloads``): a loaded Python callable belongs to
@@ -35,6 +39,7 @@ from engine.core.stream import RequestHandle
 from engine.errors import QueueFullError
 
 from .errors import is_lost_actor
+from .quarantine import CrashQuarantine
 
 __all__ = ["RemoteEngine", "RemoteHandle", "unwrap"]
 
@@ -60,28 +65,38 @@ class RemoteHandle(RequestHandle):
     into the queue, so ``result`` waits with a timeout even when nobody iterates.
     """
 
-    def __init__(self, request: EngineRequest, items: Iterator[Any], cancel: Callable[[], None]) -> None:
+    def __init__(self, request: EngineRequest, items: Iterator[Any], cancel: Callable[[], None],
+                 on_end: Callable[[bool], None] | None = None) -> None:
         from actors.generator import STREAM_RESULT
 
         super().__init__(request.request_id, request)
         self._result_key = STREAM_RESULT
         self._items = items
         self._cancel_remote = cancel
+        self._on_end = on_end  # told once, before the caller sees the end: whether the generator was lost
         threading.Thread(target=self._read, daemon=True, name=f"raylens-remote-{request.request_id[:8]}").start()
 
     def _read(self) -> None:
         try:
             for item in self._items:
                 if isinstance(item, dict) and self._result_key in item:
+                    self._ended(lost=False)
                     self.set_result(item[self._result_key])
                     break
                 self._events.put(item)
             else:
                 raise RuntimeError(f"the generator's stream of request {self.request_id!r} ended without a result")
         except BaseException as err:  # raised to whoever waits for the result
-            self.set_exception(unwrap(err))
+            cause = unwrap(err)
+            self._ended(lost=is_lost_actor(cause))
+            self.set_exception(cause)
         else:
             self.end()
+
+    def _ended(self, *, lost: bool) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end(lost)
 
     def cancel(self) -> None:
         """Ask the actor to end the request at its next step (finish reason ``cancelled``); once."""
@@ -124,6 +139,7 @@ class RemoteEngine:
         self.accept_timeout_s = accept_timeout_s if accept_timeout_s is not None else config.ray.call_timeout_s
         self._next = itertools.cycle(range(len(self.generators)))
         self._lock = threading.Lock()
+        self.quarantine = CrashQuarantine()  # requests a generator died running alone (pipelines/serve/quarantine.py)
 
     @classmethod
     def connect(cls, config: RaylensConfig) -> "RemoteEngine":
@@ -191,11 +207,12 @@ class RemoteEngine:
         request = as_request(request, fields)
         if any(callable(m) for m in request.mods):
             raise TypeError("mods sent to the GeneratorActor must be payload dicts or paths, not loaded callables")
+        self.quarantine.check(request)
         try:
             return self._start(request, timeout)
         except Exception as err:
-            if not is_lost_actor(unwrap(err)):
-                raise
+            if not is_lost_actor(unwrap(err)) or self.quarantine.seconds_left(request) is not None:
+                raise  # not lost, or it was running alone when its generator died: not run again
         # the generator is gone (killed without a restart, its node lost): the config's actors are
         # resolved again — a job may already have recreated them — and the request tried once more
         self.reconnect()
@@ -210,9 +227,36 @@ class RemoteEngine:
             self._next = itertools.cycle(range(len(self.generators)))
 
     def _start(self, request: GenerationRequest, timeout: float | None) -> RemoteHandle:
+        actor = self._generator()
+        if self.quarantine.is_down(actor):  # it died: does it answer again (restarted)? else a lost error here
+            self._answers(actor, timeout)
+        running = self.quarantine.begin(actor, request)
+        try:
+            return self._stream(actor, request, timeout, running)
+        except BaseException as err:
+            self.quarantine.end(running, lost=is_lost_actor(unwrap(err)))
+            raise
+
+    def _answers(self, actor: Any, timeout: float | None) -> None:
+        """Wait (within the accept time-out) for ``actor`` to answer a small call; its lost-actor
+        error when it does not."""
         import ray
 
-        actor = self._generator()
+        wait = self.accept_timeout_s if timeout is None else min(timeout, self.accept_timeout_s)
+        try:
+            ray.get(actor.version.remote(), timeout=wait)
+        except ray.exceptions.GetTimeoutError:
+            raise QueueFullError(f"the generator must answer within {wait:g} s (ray.call_timeout_s) after its process "
+                                 "died, got no answer yet (it is restarting): retry later",
+                                 parameter="ray.call_timeout_s") from None
+        except Exception as err:
+            raise unwrap(err) from None
+        self.quarantine.answered(actor)
+
+    def _stream(self, actor: Any, request: GenerationRequest, timeout: float | None,
+                running: tuple[str, int]) -> RemoteHandle:
+        import ray
+
         stream = actor.stream.remote(request)
         wait = self.accept_timeout_s if timeout is None else min(timeout, self.accept_timeout_s)
         ready, _ = ray.wait([stream], timeout=wait)
@@ -237,4 +281,5 @@ class RemoteEngine:
             for ref in stream:
                 yield ray.get(ref)
 
-        return RemoteHandle(accepted, items(), lambda: actor.cancel.remote(accepted.request_id))
+        return RemoteHandle(accepted, items(), lambda: actor.cancel.remote(accepted.request_id),
+                            lambda lost: self.quarantine.end(running, lost=lost))

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import yaml
@@ -280,6 +281,15 @@ def test_status_reports_actors_backlog_store_rows_and_spool(topology, tmp_path, 
     assert actors["raylens-store"]["activations"] > 0
     assert "backlog" in actors["raylens-generator"]["sae"]
     assert actors["raylens-ingest"]["spool_files"] == 0 and report["cluster"]["nodes"] == 1
+    assert actors["raylens-ingest"]["rejected_files"] == 0
+    rejected = Path(topology.config.ingest.spool_dir) / "rejected" / "given-up.json"  # as the client leaves one
+    rejected.parent.mkdir(parents=True, exist_ok=True)
+    rejected.write_text(json.dumps({"payload": {"request": {"request_id": "given-up"}}, "rejected_because": "500"}))
+    try:
+        assert main(["status", "--config", str(_job_config_file(topology.config, tmp_path))]) == 0
+        assert json.loads(capsys.readouterr().out)["actors"]["raylens-ingest"]["rejected_files"] == 1
+    finally:
+        rejected.unlink()
 
 
 def test_submit_runs_a_prompts_file_as_a_ray_job(ray_head, topology, tmp_path, capsys):

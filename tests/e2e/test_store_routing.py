@@ -62,6 +62,44 @@ def test_a_query_goes_through_the_store_actor_while_it_holds_the_file(held_store
     assert capsys.readouterr().err.strip().startswith("raylens: error: `min` must be a finite number")
 
 
+def _query_in_a_shell(cfg_path, env_var: str | None):
+    """``raylens query top`` as a user runs it: a process of its own, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER
+    as given (None: unset; the tests' own process sets it), bounded far below the 10 minutes it
+    used to hang."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env["PYTHONPATH"] = str(repo)
+    if env_var is not None:
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = env_var
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", "query", "top", "--request-id", "A", "--json",
+                           "--config", str(cfg_path)], env=env, cwd=repo, capture_output=True, text=True, timeout=180)
+
+
+def test_a_query_joins_a_loopback_cluster_without_any_environment_variable(held_store):
+    cfg_path, _, _ = held_store
+    done = _query_in_a_shell(cfg_path, None)
+    assert done.returncode == 0, done.stderr[-2000:]
+    top = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["feature_id"], r["max_activation"]) for r in top] == [(7, 5.0), (8, 1.0)]
+
+
+def test_a_query_whose_ray_would_dial_a_loopback_cluster_elsewhere_is_one_line_not_a_hang(held_store):
+    """With the variable set to 1 Ray dials 127.0.0.1 at this machine's outward address, where the
+    loopback head does not answer: one line naming the variable, exit 2 (it used to hang)."""
+    cfg_path, _, _ = held_store
+    done = _query_in_a_shell(cfg_path, "1")
+    if done.returncode == 0:  # this machine's outward address reaches the head: nothing to refuse
+        pytest.skip("the head answers at this machine's outward address too")
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("raylens: error: ") and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in last, done.stderr[-2000:]
+
+
 def test_the_store_actors_sql_refuses_writes(held_store):
     import ray
     from ray.exceptions import RayTaskError

@@ -31,7 +31,7 @@ def reference(engine, tmp_path_factory):
 
 def test_embed_writes_the_engines_embeddings(capsys, engine, tmp_path):
     texts = tmp_path / "states.txt"
-    texts.write_text("\n".join(TEXTS) + "\n\n", encoding="utf-8")  # the blank line is skipped
+    texts.write_text("\n".join(TEXTS) + "\n\n", encoding="utf-8")  # a blank line at the end shifts no row
     code, _, err = run(capsys, "embed", "--texts-file", str(texts), "--out", str(tmp_path / "emb.npy"),
                        "--layer", "5", "--pool", "last")
     assert code == 0, err

@@ -97,3 +97,23 @@ def test_ray_commands_turn_on_token_auth_when_a_token_exists(tmp_path, monkeypat
     (tmp_path / ".ray" / "auth_token").write_text("t" * 64)
     prepare_ray_env()
     assert __import__("os").environ["RAY_AUTH_MODE"] == "token"
+
+
+def test_ray_commands_keep_a_loopback_cluster_on_loopback_and_leave_others_and_the_users_choice(monkeypatch):
+    import os
+
+    from pipelines.cli.ray_commands import prepare_ray_env
+
+    var = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for address, expected in (("10.1.2.3:6379", None), ("auto", None), ("127.0.0.1:6379", "0"), ("localhost:1", "0")):
+        monkeypatch.delenv(var, raising=False)
+        prepare_ray_env(address=address)
+        assert os.environ.get(var) == expected, address
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # Ray reads RAY_ADDRESS first: so does this
+    monkeypatch.delenv(var, raising=False)
+    prepare_ray_env(address="auto")
+    assert os.environ.get(var) == "0"
+    monkeypatch.setenv(var, "1")  # the user's own setting is kept
+    prepare_ray_env(address="127.0.0.1:6379")
+    assert os.environ[var] == "1"

@@ -11,10 +11,21 @@ from engine.errors import InvalidRequestError
 from pipelines.jobs.embed import TextLine, read_texts, write_embeddings
 
 
-def test_plain_texts_file_skips_blank_lines_and_keeps_line_numbers(tmp_path):
+def test_row_i_is_line_i_so_a_blank_line_before_a_text_is_refused_and_trailing_ones_are_ignored(tmp_path):
     path = tmp_path / "states.txt"
+    path.write_text("first\nsecond ⊢ n = n\n\n  \n", encoding="utf-8")
+    assert read_texts(path) == [TextLine(1, "first"), TextLine(2, "second ⊢ n = n")]
     path.write_text("first\n\n  \nsecond ⊢ n = n\n", encoding="utf-8")
-    assert read_texts(path) == [TextLine(1, "first"), TextLine(4, "second ⊢ n = n")]
+    with pytest.raises(InvalidRequestError, match=r"states.txt:2: each line must be a text \(row 2 of the output is "
+                                                  r"line 2\), got a blank line; remove it"):
+        read_texts(path)
+
+
+def test_a_texts_file_that_is_not_utf8_is_one_clear_error(tmp_path):
+    path = tmp_path / "states.txt"
+    path.write_bytes(b"caf\xe9\n")
+    with pytest.raises(InvalidRequestError, match=r"`--texts-file` must be UTF-8 text, got byte 0xe9 at offset 3"):
+        read_texts(path)
 
 
 def test_jsonl_texts_carry_newlines(tmp_path):

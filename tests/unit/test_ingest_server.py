@@ -206,3 +206,16 @@ def test_nesting_within_the_backends_limit_is_accepted(server):
                                     "details": json.loads("[" * 100 + "]" * 100)}])
     got, body = _raw(server, _post_bytes(json.dumps(deep).encode()))
     assert got == 201, body
+
+
+@pytest.mark.parametrize("text", ["a\x00b", "lone \ud800 surrogate"])
+def test_text_postgres_cannot_store_is_a_500_as_the_backend_answers_and_nothing_is_stored(server, text):
+    from engine.services.strict_json import dumps
+
+    with httpx.Client(timeout=10) as client:
+        body = payload("bad", mod_logs=[{"mod_call_sequence": 0, "mod_name": "m", "log_message": text}])
+        reply = client.post(server.url, content=dumps(body).encode("utf-8", "surrogatepass"),
+                            headers={"Content-Type": "application/json"})
+        assert reply.status_code == 500 and "mod_logs[0].log_message" in reply.json()["error"], reply.text
+        assert client.get(server.url).json()["count"] == 0
+        assert client.post(server.url, json=payload("good")).status_code == 201  # positive control

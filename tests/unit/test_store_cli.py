@@ -119,6 +119,24 @@ def test_store_info_reports_a_damaged_file_instead_of_looking_healthy(tmp_path, 
             store.verify()
 
 
+@pytest.mark.parametrize("argv", [["query", "top", "--request-id", "A"],
+                                  ["query", "tokens", "--feature", "1", "--ids-only"],
+                                  ["query", "threshold", "--feature", "1", "--min", "0", "--ids-only"]])
+def test_a_query_on_a_damaged_store_is_the_one_line_store_info_gives_not_a_traceback(tmp_path, capsys, argv):
+    good = tmp_path / "good.duckdb"
+    with ActivationStore(good) as store:
+        store.append_activations(rows(20_000), batch_id="b1", request_id="A")
+        store.cursor().execute("CHECKPOINT")
+    bad = tmp_path / "bad.duckdb"
+    _damage_a_data_block(good, bad)
+    assert main([*argv, "--config", config_for(tmp_path, good)]) == 0  # positive control
+    capsys.readouterr()
+    assert main([*argv, "--config", config_for(tmp_path, bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raylens: error: the activation store") and "is damaged: table `activations`" in err, err
+    assert "\n" not in err and "Traceback" not in err
+
+
 def test_a_file_that_is_not_a_duckdb_database_is_reported_damaged(tmp_path, capsys):
     bad = tmp_path / "text.duckdb"
     bad.write_text("not a database")

@@ -24,7 +24,9 @@ EOS = TOK.eos_token_id
 
 @pytest.fixture(scope="module")
 def compiler():
-    return GrammarCompiler(TOK, vocab_size=TOK.vocab_size, eos_token_ids=[EOS])
+    compiler = GrammarCompiler(TOK, vocab_size=TOK.vocab_size, eos_token_ids=[EOS])
+    yield compiler
+    compiler.close()
 
 
 def regex(compiler, pattern):

@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from engine.errors import GrammarError
+
 __all__ = ["GrammarSpec", "grammar_spec", "tool_call_schema", "TOOL_CHOICES"]
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -43,8 +45,12 @@ class GrammarSpec:
         return self.kind == "tool_call"
 
 
-def _canonical(schema: Any) -> str:
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+def _canonical(schema: Any, parameter: str) -> str:
+    try:
+        return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    except RecursionError:  # deeper than Python's recursion limit (the grammar compiler allows 128)
+        raise GrammarError(f"`{parameter}` must nest at most 128 levels deep, got far deeper; flatten it "
+                           "with $defs", parameter=parameter) from None
 
 
 def tool_call_schema(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -75,14 +81,15 @@ def grammar_spec(response_format: Mapping[str, Any] | None, tool_choice: Any,
     """The request's constraint, or None when its output is free text."""
     chosen = _chosen_tools(tool_choice, tools or ())
     if chosen:
-        return GrammarSpec("tool_call", _canonical(tool_call_schema(chosen)), "tool_choice",
+        return GrammarSpec("tool_call", _canonical(tool_call_schema(chosen), "tool_choice"), "tool_choice",
                            tuple(t["function"]["name"] for t in chosen))
     kind = response_format.get("type") if response_format else None
     if kind == "json_object":
-        return GrammarSpec("json", _canonical({"type": "object"}), "response_format")
+        return GrammarSpec("json", _canonical({"type": "object"}, "response_format"), "response_format")
     if kind == "json_schema":
         schema = response_format["json_schema"].get("schema", {})  # type: ignore[index]
-        return GrammarSpec("json", _canonical(schema), "response_format.json_schema.schema")
+        parameter = "response_format.json_schema.schema"
+        return GrammarSpec("json", _canonical(schema, parameter), parameter)
     if kind == "regex":
         return GrammarSpec("regex", response_format["regex"], "response_format.regex")  # type: ignore[index]
     if kind == "grammar":

@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.errors import GrammarError
+
 __all__ = ["GrammarState"]
 
 
@@ -26,10 +28,10 @@ class GrammarState:
     token ``t`` may come next. The bitmask is this request's own and is refilled each step."""
 
     def __init__(self, compiled: Any) -> None:
-        import llguidance
-
         self.compiled = compiled
-        self.matcher = llguidance.LLMatcher(compiled.tokenizer, compiled.grammar, log_level=0)
+        # a copy of the matcher the compiler built once: a grammar is compiled by this process
+        # only after a child process compiled it (engine/core/structured/native.py says why)
+        self.matcher = compiled.matcher.deep_copy()
         self.bitmask = torch.full((1, (compiled.vocab_size + 31) // 32), -1, dtype=torch.int32)
         self.eos = compiled.eos
         self.detached = 0  # tokens committed after the first one the grammar rejected
@@ -56,7 +58,7 @@ class GrammarState:
         # compiles a torch kernel at import, which the sampler's own unpacking makes unneeded)
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
         if self.matcher.is_error():
-            raise RuntimeError(f"the grammar of `{self.spec.parameter}` failed: {self.error()}")
+            raise self._failure("failed")
         row = self.bitmask[0]
         if hold_end:
             word, bit = divmod(self.eos, 32)
@@ -75,7 +77,7 @@ class GrammarState:
             return 0
         ok = int(self.matcher.validate_tokens(list(tokens)))
         if ok and not self.matcher.consume_tokens(list(tokens[:ok])):
-            raise RuntimeError(f"the grammar of `{self.spec.parameter}` failed: {self.error()}")
+            raise self._failure("failed")
         self.detached = len(tokens) - ok
         return ok
 
@@ -85,10 +87,17 @@ class GrammarState:
         off = min(n, self.detached)
         self.detached -= off
         if n - off > 0 and not self.matcher.rollback(n - off):
-            raise RuntimeError(f"the grammar of `{self.spec.parameter}` could not roll back {n - off} tokens")
+            raise self._failure(f"could not roll back {n - off} tokens")
+
+    def _failure(self, what: str) -> GrammarError:
+        """A step of the grammar failed (a step limit of the ``structured`` config, or llguidance's
+        own state): the request's error names its field, not a mod."""
+        parameter = self.spec.parameter
+        return GrammarError(f"`{parameter}` must be a grammar whose every step stays within the structured.* limits, "
+                            f"got one that {what}: {self.error()}", parameter=parameter, value=self.error())
 
     def error(self) -> str:
-        return " ".join(str(self.matcher.get_error()).split())[:300]
+        return " ".join(str(self.matcher.get_error()).replace("<non-verbose/>", "").split())[:300]
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.compiled.tokenizer.decode_str([t for t in tokens if t != self.eos])
