@@ -343,7 +343,7 @@ class Engine:
 
     def _finalize(self, entry: Entry) -> GenerationResult:
         """Runs on a finisher thread once the request left the batch."""
-        state = entry.state
+        state = entry.machine.state
         try:
             entry.machine.materialize()  # a request nobody watched step by step: its events now
             state.manager.close()

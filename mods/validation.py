@@ -45,6 +45,7 @@ __all__ = [
     "InvalidActionValue",
     "validate_action",
     "ALLOWED_ACTIONS",
+    "allowed_actions",
     "check_action_values",
     "check_token_ids",
     "check_logits",
@@ -73,8 +74,20 @@ _ALLOWED_ACTIONS: dict[type[ModEvent], tuple[type[ModAction], ...]] = {
     Added: (Noop, ForceTokens, Backtrack, ForceOutput, ToolCalls, EmitError, Steer),
 }
 
-#: Read-only view of the table, for documentation and tests.
+#: Read-only view of the table: the one statement of which action each event allows, read by
+#: :func:`validate_action` (exact event class), the SDK's ``ActionBuilder`` (:func:`allowed_actions`)
+#: and the engine's phases (each applies exactly the actions its event's row lists).
 ALLOWED_ACTIONS: Mapping[type[ModEvent], tuple[type[ModAction], ...]] = MappingProxyType(_ALLOWED_ACTIONS)
+
+
+def allowed_actions(event: ModEvent | type[ModEvent]) -> tuple[type[ModAction], ...]:
+    """The actions an event (or event class) allows, by ``isinstance`` — the SDK builder's
+    reading of the table; ``()`` for an object that is no event."""
+    cls = event if isinstance(event, type) else type(event)
+    for base in cls.__mro__:
+        if base in _ALLOWED_ACTIONS:
+            return _ALLOWED_ACTIONS[base]
+    return ()
 
 
 def validate_action(event: ModEvent, action: Any) -> ModAction:

@@ -24,16 +24,21 @@ from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
 from engine.model.tensor import as_torch
 from mods.manager import ModCall
-from mods.validation import InvalidActionError, check_action_values, check_steer, check_token_ids
+from mods.validation import ALLOWED_ACTIONS, InvalidActionError, check_action_values, check_steer, check_token_ids
 from mods.types import (
+    Added,
     AdjustedLogits,
     AdjustedPrefill,
     Backtrack,
     EmitError,
     ForceOutput,
     ForceTokens,
+    ForwardPass,
     ModAction,
+    ModEvent,
     Noop,
+    Prefilled,
+    Sampled,
     Steer,
     ToolCalls,
 )
@@ -225,12 +230,24 @@ class PhaseActions:
 
     # -------------------------------------------------------------------------------- phases
 
+    def _allowed(self, item: Call, event: type[ModEvent]) -> bool:
+        """Whether ``event``'s row of the one table of allowed actions lists the call's action (the
+        SDK and mod validation read the same row, so a refused one cannot come from a mod; a
+        non-Noop one is recorded as ignored, never dropped)."""
+        action = item.call.action
+        if isinstance(action, ALLOWED_ACTIONS[event]):
+            return True
+        self.ignored(item, f"{type(action).__name__} is not allowed at {event.__name__}")
+        return False
+
     def apply_prefilled_actions(self, calls: list[Call]) -> None:
         state = self.state
         for i, item in enumerate(calls):
             action = item.call.action
             if isinstance(item.call.rejected, ForceTokens):  # a raw mod's ForceTokens at Prefilled: queued
                 self.queue_force(item, item.call.rejected)
+                continue
+            if not self._allowed(item, Prefilled):
                 continue
             match action:
                 case Noop():
@@ -248,27 +265,29 @@ class PhaseActions:
                 case ForceOutput() | ToolCalls() | EmitError():
                     if self.finish_terminal(item):
                         return self.ignore_rest(calls[i + 1:], action)
-                case _:
-                    self.ignored(item, f"{type(action).__name__} has no effect at Prefilled")
+                case _:  # the table lists an action this phase has no case for
+                    raise AssertionError(f"Prefilled allows {type(action).__name__} but applies no such action")
 
     def apply_forward_pass_actions(self, calls: list[Call]) -> StepPlan:
-        return self._apply_step_actions(calls, "ForwardPass", logits_allowed=True, already_erased=0)
+        return self._apply_step_actions(calls, ForwardPass, already_erased=0)
 
     def apply_sampled_actions(self, calls: list[Call]) -> StepPlan:
         # the pending sample is erased first by a Backtrack here
-        return self._apply_step_actions(calls, "Sampled", logits_allowed=False, already_erased=1)
+        return self._apply_step_actions(calls, Sampled, already_erased=1)
 
-    def _apply_step_actions(self, calls: list[Call], event: str, *, logits_allowed: bool,
-                            already_erased: int) -> StepPlan:
+    def _apply_step_actions(self, calls: list[Call], event: type[ModEvent], *, already_erased: int) -> StepPlan:
         """ForwardPass and Sampled take the same actions, except that only ForwardPass may adjust
-        logits and that at Sampled a Backtrack also drops the token just sampled."""
+        logits (the table's rows say so) and that at Sampled a Backtrack also drops the token
+        just sampled."""
         plan = StepPlan()
         for i, item in enumerate(calls):
             action = item.call.action
+            if not self._allowed(item, event):
+                continue
             match action:
                 case Noop():
                     continue
-                case AdjustedLogits() if logits_allowed:
+                case AdjustedLogits():
                     self.adjust_logits(item, action, plan)
                 case Steer():
                     self.steer(item, action)
@@ -284,13 +303,15 @@ class PhaseActions:
                     if self.finish_terminal(item):
                         self.ignore_rest(calls[i + 1:], action)
                         return plan
-                case _:
-                    self.ignored(item, f"{type(action).__name__} has no effect at {event}")
+                case _:  # the table lists an action this phase has no case for
+                    raise AssertionError(f"{event.__name__} allows {type(action).__name__} but applies no such action")
         return plan
 
     def apply_added_actions(self, calls: list[Call]) -> None:
         for i, item in enumerate(calls):
             action = item.call.action
+            if not self._allowed(item, Added):
+                continue
             match action:
                 case Noop():
                     continue
@@ -309,5 +330,5 @@ class PhaseActions:
                 case ForceOutput() | ToolCalls() | EmitError():
                     if self.finish_terminal(item):
                         return self.ignore_rest(calls[i + 1:], action)
-                case _:
-                    self.ignored(item, f"{type(action).__name__} has no effect at Added")
+                case _:  # the table lists an action this phase has no case for
+                    raise AssertionError(f"Added allows {type(action).__name__} but applies no such action")

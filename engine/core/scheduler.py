@@ -58,10 +58,6 @@ class Entry:
     finalize: Callable[["Entry"], Any]
     prefix_checked: bool = False  # the prefix cache was asked (once, just before its first forward)
 
-    @property
-    def state(self) -> Any:
-        return self.machine.state
-
 
 @dataclass
 class LoopStats:

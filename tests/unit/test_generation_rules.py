@@ -373,3 +373,40 @@ def test_out_of_vocabulary_ids_in_any_action_end_the_request_with_a_reason(event
     (ignored,) = result.ignored_actions
     assert ignored.reason.startswith(f"`{field}[")
     assert "must be a token id in [0, 128)" in ignored.reason and field in result.error
+
+
+def test_the_builder_validation_and_the_phases_read_one_table_of_allowed_actions():
+    """Every (event, action) pair the table allows: the SDK builder permits it and each phase of
+    the machine applies it (never 'not allowed'); every pair it refuses: the builder refuses it and
+    the phase records it as ignored. The table is the only statement of either."""
+    import inspect
+
+    from mods.types import Steer
+
+    from engine.core import actions as phase_rules
+    from mods.actions import ActionBuilder
+    from mods.validation import ALLOWED_ACTIONS, InvalidActionError, allowed_actions
+
+    builders = {"force_output": ForceOutput, "tool_calls": ToolCalls, "adjust_prefill": AdjustedPrefill,
+                "adjust_logits": AdjustedLogits, "force_tokens": ForceTokens, "backtrack": Backtrack,
+                "steer": Steer}
+    events = {Prefilled: Prefilled("r", 0, 4, None), ForwardPass: ForwardPass("r", 1, np.zeros((1, 4))),
+              Sampled: Sampled("r", 1, 2), Added: Added("r", 1, [2], False)}
+    args = {"force_output": ([1],), "tool_calls": ({},), "adjust_prefill": ([1],), "adjust_logits": (np.zeros((1, 4)),),
+            "force_tokens": ([1],), "backtrack": (1,), "steer": (0, 1.0)}
+    checked = 0
+    for event_cls, event in events.items():
+        assert allowed_actions(event) == ALLOWED_ACTIONS[event_cls]
+        for method, action_cls in builders.items():
+            allowed = issubclass(action_cls, ALLOWED_ACTIONS[event_cls])
+            builder = ActionBuilder(event)
+            if allowed:
+                assert isinstance(getattr(builder, method)(*args[method]), action_cls)
+            else:
+                with pytest.raises(InvalidActionError, match="not permitted"):
+                    getattr(builder, method)(*args[method])
+            checked += 1
+    assert checked == 28
+    # the phases name no action list of their own: each reads its event's row of the table
+    source = inspect.getsource(phase_rules.PhaseActions)
+    assert source.count("ALLOWED_ACTIONS[event]") == 1 and "has no effect at" not in source

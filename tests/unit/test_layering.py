@@ -71,3 +71,28 @@ def test_engine_model_and_services_do_not_import_the_core():
             if bad:
                 violations.append(f"{path.relative_to(REPO)} imports {sorted(bad)}")
     assert not violations, "engine sub-layers import the wrong way:\n" + "\n".join(violations)
+
+
+def _request_state_reads(source: str) -> list[str]:
+    """Where ``source`` reaches a request's state: the ``state`` attribute (RequestMachine.state is
+    the one way to it) or the RequestState name itself."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "state":
+            found.append(f"line {node.lineno}: .state")
+        elif isinstance(node, ast.Name) and node.id == "RequestState":
+            found.append(f"line {node.lineno}: RequestState")
+        elif isinstance(node, ast.ImportFrom) and any(a.name == "RequestState" for a in node.names):
+            found.append(f"line {node.lineno}: imports RequestState")
+    return found
+
+
+def test_the_step_loop_and_the_scheduler_read_no_request_state():
+    """The loop calls the scheduler, the runner and each request's machine, in order; the
+    scheduler reads a request only through its machine's scheduling interface. Neither reaches a
+    RequestState field: what a request knows is its machine's business alone."""
+    positive = "def f(entry):\n    return entry.machine.state.generated\nfrom engine.core.request import RequestState\n"
+    assert len(_request_state_reads(positive)) == 2, "positive control: the scan finds a .state read and the import"
+    for name in ("step_loop.py", "scheduler.py"):
+        found = _request_state_reads((REPO / "engine" / "core" / name).read_text(encoding="utf-8"))
+        assert not found, f"engine/core/{name} reaches a request's state: {found}"
