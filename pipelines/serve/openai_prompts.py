@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from engine.core.detokenizer import token_pieces
+
 from .errors import ApiError, ErrorCode
 from .openai_models import MAX_PROMPTS
 from .service import Service
@@ -18,8 +20,6 @@ from .service import Service
 __all__ = ["Prompt", "parse_prompts", "token_pieces", "split_inputs"]
 
 _SHAPE = "a non-empty string, a non-empty list of token ids, or a list of either"
-_WINDOW = 6  # tokens of context decoded before a piece: enough for any merge of byte-level tokens
-_PARTIAL = "\ufffd"  # what decoding shows for the bytes of a character not yet complete
 
 
 @dataclass(frozen=True)
@@ -73,20 +73,3 @@ def parse_prompts(service: Service, prompt: Any) -> list[Prompt]:
     return out
 
 
-def token_pieces(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool = False) -> list[str]:
-    """The text each token of ``ids`` adds (``""`` for a token that only starts a character);
-    ``"".join(pieces)`` is the decoded text. Decodes a few tokens of context per token, not the
-    whole prefix, so a long prompt costs linear time."""
-    ids = [int(t) for t in ids]
-    pieces: list[str] = []
-    done = 0  # tokens whose text is out
-    for i in range(len(ids)):
-        start = max(0, done - _WINDOW)
-        before = tokenizer.decode(ids[start:done], skip_special_tokens=skip_special_tokens)
-        after = tokenizer.decode(ids[start:i + 1], skip_special_tokens=skip_special_tokens)
-        if after.endswith(_PARTIAL) and i + 1 < len(ids):
-            pieces.append("")
-            continue
-        pieces.append(after[len(before):])
-        done = i + 1
-    return pieces
