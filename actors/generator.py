@@ -150,26 +150,29 @@ class GeneratorActor:
         """``Engine.encode`` (chat template and all), so a replica tokenizes exactly as requests are."""
         return self.engine.encode(prompt, **kwargs)
 
-    def score(self, input_ids: list[int], top_k: int = 0) -> Any:
-        """``Engine.score``: per-position log-probs of ``input_ids`` from one fresh forward (the
-        Serve replica's prompt log-probs); a :class:`~engine.model.scoring.SequenceScores`."""
+    def score(self, input_ids: list[int], top_k: int = 0, job_id: str | None = None,
+              timeout: float | None = None) -> Any:
+        """``Engine.score``: per-position log-probs of ``input_ids`` (the Serve replica's prompt
+        log-probs), a job of the step loop; a :class:`~engine.model.scoring.SequenceScores`."""
         try:
-            return self.engine.score(input_ids, top_k=top_k)
+            return self.engine.score(input_ids, top_k=top_k, job_id=job_id, timeout=timeout)
         except Exception as err:
             raise portable_error(err) from None
 
-    def embed_tokens(self, token_ids: list[list[int]], layer: int | None = None, pool: str = "mean") -> Any:
+    def embed_tokens(self, token_ids: list[list[int]], layer: int | None = None, pool: str = "mean",
+                     job_id: str | None = None, timeout: float | None = None) -> Any:
         """``Engine.embed_tokens``: ``(len(token_ids), d)`` float32 numpy embeddings."""
         try:
-            return self.engine.embed_tokens(token_ids, layer=layer, pool=pool)
+            return self.engine.embed_tokens(token_ids, layer=layer, pool=pool, job_id=job_id, timeout=timeout)
         except Exception as err:
             raise portable_error(err) from None
 
-    def capture(self, input_ids: list[int], names: list[str]) -> dict[str, Any]:
+    def capture(self, input_ids: list[int], names: list[str], job_id: str | None = None,
+                timeout: float | None = None) -> dict[str, Any]:
         """``Engine.capture`` of ``input_ids``: ``{name: float32 numpy array}`` (host copies, so
         they cross Ray without torch tensors)."""
         try:
-            tensors = self.engine.capture(input_ids=input_ids, names=names)
+            tensors = self.engine.capture(input_ids=input_ids, names=names, job_id=job_id, timeout=timeout)
         except Exception as err:
             raise portable_error(err) from None
         return {name: tensor.detach().float().cpu().numpy() for name, tensor in tensors.items()}
@@ -219,12 +222,13 @@ class GeneratorActor:
 
     @ray.method(concurrency_group=CONTROL)
     def cancel(self, request_id: str) -> bool:
-        """End a streamed request at its next step (finish reason ``cancelled``); False if it is
-        not running here (already finished, or never started)."""
+        """End a streamed request at its next step (finish reason ``cancelled``), or a job
+        (embeddings, scoring, a capture) at its next unit; False if it is not running here
+        (already finished, or never started)."""
         with self._lock:
             handle = self._streams.get(request_id)
         if handle is None:
-            return False
+            return self.engine.cancel(request_id)
         handle.cancel()
         return True
 

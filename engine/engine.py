@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from engine.config import REQUEST_ID_MAX_CHARS, RaylensConfig, load_config
 from engine.core.input_processor import InputProcessor
+from engine.core.jobs import Job, JobHandle
 from engine.core.inputs import GenerationRequest, as_request
 from engine.core.output import OutputProcessor
 from engine.core.request import EngineRequest, HiddenSink, RequestState
@@ -28,7 +29,7 @@ from engine.core.result import GenerationResult
 from engine.core.machine import RequestMachine
 from engine.core.step_loop import Entry, StepLoop
 from engine.core.stream import RequestHandle, StreamEvent
-from engine.errors import InvalidRequestError
+from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
 from engine.model import Backend, create_backend
 from engine.model.capture import CapturePlan, event_plan
 from engine.model.hook_names import resid_post
@@ -115,6 +116,7 @@ class Engine:
                                       backend_type=config.backend.backend_type, layer=config.backend.hidden_state_layer,
                                       ingest=self._ingest, store=self.store, sae_metadata=self._sae_metadata)
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
+        self._jobs: dict[str, JobHandle] = {}  # this engine's jobs in flight (embeddings, scoring, captures)
         self._session = uuid.uuid4().hex[:8]  # suffixes a reused request id (see _unused_request_id)
         freeze_startup_objects()
 
@@ -200,13 +202,13 @@ class Engine:
         step loop when this engine owns the backend, finish pending SAE work (nothing in flight is
         lost), then release everything."""
         with self._lock:
-            handles = list(self._handles.values())
+            handles = list(self._handles.values()) + list(self._jobs.values())
         for handle in handles:
             handle.cancel()
         for handle in handles:
             try:
                 handle.result(timeout=60)
-            except Exception:  # the caller of that request sees its error
+            except Exception:  # the caller of that request (or job) sees its error
                 pass
         self.processor.close()
         if self._owns_backend:
@@ -368,34 +370,80 @@ class Engine:
 
     # ------------------------------------------------------------------- embeddings and capture
 
+    def submit_job(self, kind: str, start: Callable[[Any], Any], *, job_id: str | None = None,
+                   timeout: float | None = None) -> JobHandle:
+        """Schedule non-generation work in the step loop (:mod:`engine.core.jobs`): ``start(loop)``
+        makes its work generator; ``timeout`` stops it between units. :meth:`cancel` (by
+        ``job_id``) or the handle's ``cancel()`` stops it at its next unit."""
+        handle = JobHandle(kind, job_id, timeout_s=timeout)
+        with self._lock:
+            if handle.job_id in self._active:
+                raise InvalidRequestError(f"request id {handle.job_id!r} is already running", parameter="request_id",
+                                          value=handle.job_id)
+            self._active.add(handle.job_id)
+            self._jobs[handle.job_id] = handle
+        handle.future.add_done_callback(lambda _: self._release_job(handle.job_id))
+        try:
+            self.loop.submit_job(Job(handle, start))
+        except BaseException:
+            self._release_job(handle.job_id)
+            raise
+        return handle
+
+    def _release_job(self, job_id: str) -> None:
+        with self._lock:
+            self._active.discard(job_id)
+            self._jobs.pop(job_id, None)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request or job of this engine by id (a generation ends at its next step,
+        finish reason ``cancelled``; a job at its next unit); False when none is running."""
+        with self._lock:
+            handle = self._handles.get(request_id) or self._jobs.get(request_id)
+        if handle is None:
+            return False
+        handle.cancel()
+        return True
+
     def embed(self, texts: Sequence[str], *, layer: int | None = None, pool: str = "mean",
-              batch_size: int = 16) -> Any:
+              batch_size: int = 16, timeout: float | None = None, job_id: str | None = None) -> Any:
         """``(len(texts), d)`` float32 numpy embeddings: the final normed hidden states (or the
         residual stream after block ``layer``) pooled by ``"mean"`` or ``"last"``. Texts are
         plain text (no chat template, no BOS); each call runs fresh forwards, no cache reused.
-        See :mod:`engine.model.embeddings`."""
+        Scheduled by the step loop a batch per step (:meth:`submit_job`); past ``timeout`` it
+        stops and raises :class:`~engine.errors.RequestTimeoutError`. See
+        :mod:`engine.model.embeddings`."""
         from engine.model.embeddings import tokenize_texts
 
         ids = tokenize_texts(self.tokenizer, texts, self.backend.info.max_context)
-        return self.backend.embed(ids, layer=layer, pool=pool, batch_size=batch_size)
+        return self.embed_tokens(ids, layer=layer, pool=pool, batch_size=batch_size, timeout=timeout, job_id=job_id)
 
     def capture(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
                 input_ids: Sequence[int] | None = None, names: Sequence[str] = ("*",),
-                out: str | Path | None = None) -> dict[str, Any]:
+                out: str | Path | None = None, timeout: float | None = None, job_id: str | None = None) -> dict[str, Any]:
         """Named intermediates of one fresh forward pass over exactly one of ``prompt`` (a
         chat-templated user turn), ``messages`` or ``input_ids``: ``{name: tensor}`` with the
         batch dimension dropped, for every internal matching ``names`` (globs). With ``out``,
         also writes ``tensors.safetensors`` and ``manifest.json`` there. Capture never changes
-        the model's outputs. See :mod:`engine.model.named_capture`."""
+        the model's outputs; it runs in the step loop between steps. See
+        :mod:`engine.model.named_capture`."""
+        from engine.core.scheduled_work import capture_work
+        from engine.model.hook_names import expand_hook_names
+
         ids = self.encode(prompt, messages=messages, input_ids=input_ids)
-        return self.backend.capture(ids, names, out=out)
+        info = self.backend.info
+        expand_hook_names(names, info.num_layers, info.hooks)  # a bad name is refused here, before queueing
+        handle = self.submit_job("capture", lambda loop: capture_work(loop, ids, names, out), job_id=job_id,
+                                 timeout=timeout)
+        return handle.result(timeout)
 
     def embed_tokens(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None, pool: str = "mean",
-                     batch_size: int = 16) -> Any:
+                     batch_size: int = 16, timeout: float | None = None, job_id: str | None = None) -> Any:
         """:meth:`embed` of texts already tokenised (``token_ids[i]``: one text's plain-text ids, as
         :func:`~engine.model.embeddings.tokenize_texts` gives them): ``(len(token_ids), d)``
         float32 numpy, row ``i`` equal to ``embed`` of that text. Each list must be non-empty,
         in the vocabulary and fit the context."""
+        from engine.core.scheduled_work import embed_work
         from engine.errors import ContextOverflowError
 
         limit = self.backend.info.max_context
@@ -403,13 +451,33 @@ class Engine:
             if not isinstance(ids, (str, bytes)) and isinstance(ids, Sequence) and len(ids) > limit:
                 raise ContextOverflowError(f"`input[{i}]` must fit the model's context of {limit} tokens, got "
                                            f"{len(ids)}; shorten it", parameter=f"input[{i}]", value=len(ids))
-        return self.backend.embed(token_ids, layer=layer, pool=pool, batch_size=batch_size)
+        budget = self.backend.config.max_step_tokens
+        batches = self.backend.embed_batches(token_ids, layer=layer, pool=pool, batch_size=batch_size,
+                                             max_tokens=budget)  # arguments checked here
+        handle = self.submit_job("embeddings", lambda loop: embed_work(loop, batches), job_id=job_id, timeout=timeout)
+        return handle.result(timeout)
 
-    def score(self, input_ids: Sequence[int], *, top_k: int = 0) -> Any:
+    def score(self, input_ids: Sequence[int], *, top_k: int = 0, timeout: float | None = None,
+              job_id: str | None = None) -> Any:
         """Each token's log-prob given the tokens before it (the first: None), and the ``top_k``
-        best alternatives at each position, from one fresh forward of the model (no cache slot;
-        runs beside the step loop): a :class:`~engine.model.scoring.SequenceScores`. What
-        prompt log-probs (OpenAI's ``echo`` with ``logprobs``) need. See :mod:`engine.model.scoring`."""
-        from engine.model.scoring import score
+        best alternatives at each position: a :class:`~engine.model.scoring.SequenceScores`. What
+        prompt log-probs (OpenAI's ``echo`` with ``logprobs``) need. Scheduled by the step loop:
+        the prompt is fed in chunks over KV blocks reserved for it. See :mod:`engine.model.scoring`."""
+        from engine.core.scheduled_work import score_work
+        from engine.model.scoring import MAX_SCORE_TOP_K
 
-        return score(self.backend.reference_model, input_ids, top_k=top_k)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_SCORE_TOP_K:
+            raise InvalidRequestError(f"`top_k` must be an integer in [0, {MAX_SCORE_TOP_K}], got {top_k!r}",
+                                      parameter="top_k", value=top_k)
+        ids = check_request_token_ids(input_ids, self.backend.info.vocab_size, "input_ids")
+        if not ids:
+            raise InvalidRequestError("`input_ids` must hold at least one token, got []", parameter="input_ids",
+                                      value=[])
+        limit = min(self.backend.info.max_context, self.backend.max_sequence)
+        if len(ids) > limit:
+            raise ContextOverflowError(f"`input_ids` must fit the model's context of {limit} tokens, got {len(ids)}",
+                                       parameter="input_ids", value=len(ids))
+        job_id = job_id or f"scoring-{uuid.uuid4().hex[:12]}"  # its KV blocks are held under this id
+        handle = self.submit_job("scoring", lambda loop: score_work(loop, job_id, ids, top_k), job_id=job_id,
+                                 timeout=timeout)
+        return handle.result(timeout)

@@ -28,6 +28,8 @@ __all__ = [
     "ActorConfigConflictError",
     "ServerAlreadyRunningError",
     "QueueFullError",
+    "RequestTimeoutError",
+    "JobCancelledError",
     "EngineClosedError",
     "check_request_token_ids",
 ]
@@ -142,6 +144,20 @@ class ServerAlreadyRunningError(RaylensError):
 class QueueFullError(RaylensError):
     """Every batch slot is taken and the wait queue is full. Recoverable: retry later, or submit
     with ``block=True`` to wait for room (back-pressure instead of a silent drop)."""
+
+    recoverable = True
+
+
+class RequestTimeoutError(RaylensError, TimeoutError):
+    """A request or job did not finish within its time-out and was stopped. Recoverable: ask for
+    less (fewer tokens, fewer or shorter texts) or allow more time."""
+
+    recoverable = True
+
+
+class JobCancelledError(RaylensError):
+    """A job (embeddings, scoring, a capture) was cancelled by its caller before it finished (its
+    client left). Nothing to fix; run it again if it is still wanted."""
 
     recoverable = True
 

@@ -482,7 +482,6 @@ class RequestMachine:
     def _dispatch(self, event: ModEvent) -> Phase[list[Call]]:
         """The event is recorded, and its mods' calls come back from the driver (:func:`drive`,
         which dispatches the events of every request of the step together)."""
-        state = self.state
         if self._mod_free:  # no mod to call: the event is only recorded (held, when announcements are)
             self._announce(self._record, (event,))
             return []

@@ -69,6 +69,8 @@ class LoopStats:
     waits_for_room: int = 0  # submits that waited for a free place (back-pressure)
     waits_for_blocks: int = 0  # admissions and feeds deferred until the KV cache had room
     deferred_announcements: int = 0  # steps announced after the next forward's launch
+    job_units: int = 0  # units of scheduled jobs (embeddings, scoring, captures) run
+    jobs_stopped: int = 0  # jobs ended by their caller's cancel or their deadline before their last unit
     # host time from a step's sampled ids to the next forward's launch (the device idles then)
     launch_gaps: int = 0
     launch_gap_s: float = 0.0

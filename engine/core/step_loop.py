@@ -28,6 +28,7 @@ forward runs in the loop's thread, so there is nothing to overlap and nothing is
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -37,6 +38,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
+from engine.core.jobs import Job, JobHandle
 from engine.core.kv_manager import KVManager
 from engine.core.machine import drive, run_guarded
 from engine.core.scheduler import Entry, LoopStats, Scheduler, SchedulerOutput
@@ -77,6 +79,7 @@ class StepLoop:
         self._finisher = ThreadPoolExecutor(max_workers=finisher_threads, thread_name_prefix="raylens-finish")
         self._held: list[Entry] = []  # requests whose last step's announcements wait for the next launch
         self._calls: list[tuple[Callable[["StepLoop"], Any], Future]] = []  # work run between steps
+        self._jobs: collections.deque[Job] = collections.deque()  # embeddings, scoring, captures: a unit a step
         self._sampled_at: float | None = None
         self.mod_calls = CallRunner()  # where every request's mod calls run, a phase of a step at a time
 
@@ -126,6 +129,17 @@ class StepLoop:
             self._ensure_thread()
             self._cond.notify_all()
 
+    def submit_job(self, job: Job) -> JobHandle:
+        """Queue a job (:mod:`engine.core.jobs`): the loop runs one unit of it per step, between
+        its forwards, until it ends, is cancelled or passes its deadline."""
+        with self._cond:
+            if self._closing:
+                raise EngineClosedError("the engine is closed; create a new one")
+            self._jobs.append(job)
+            self._ensure_thread()
+            self._cond.notify_all()
+        return job.handle
+
     def call(self, fn: Callable[["StepLoop"], Any], timeout: float | None = None) -> Any:
         """Run ``fn(loop)`` on the loop's thread between two steps and return what it returns
         (one-off forwards share the KV pool with the running requests, so they run where the
@@ -162,6 +176,7 @@ class StepLoop:
             self._closing = True
             waiting = self.scheduler.take_waiting()
             calls, self._calls = self._calls, []
+            jobs, self._jobs = list(self._jobs), collections.deque()
             for entry in self.scheduler.running:
                 entry.handle.cancel()
             self._cond.notify_all()
@@ -169,6 +184,10 @@ class StepLoop:
             entry.handle.set_exception(EngineClosedError("the engine was closed before this request started"))
         for _, future in calls:
             future.set_exception(EngineClosedError("the engine was closed before this call ran"))
+        for job in jobs:  # the loop thread runs no more units: stop each where it is
+            job.close()
+            job.handle.future.set_exception(EngineClosedError(f"the engine was closed before the {job.handle.kind} "
+                                                              "finished"))
         if self._thread is not None:
             self._thread.join(timeout)
         self._finisher.shutdown(wait=True)
@@ -193,6 +212,11 @@ class StepLoop:
         return self.call(run, timeout)
 
     @property
+    def jobs_waiting(self) -> int:
+        """Scheduled jobs not finished yet."""
+        return len(self._jobs)
+
+    @property
     def active(self) -> int:
         return len(self.scheduler.running)
 
@@ -205,11 +229,12 @@ class StepLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self.scheduler.has_work and not self._calls and not self._closing:
+                while not self.scheduler.has_work and not self._calls and not self._jobs and not self._closing:
                     self._sampled_at = None  # idle time is no launch gap
                     self._cond.wait()
                 if self._closing and not self.scheduler.running and not self._calls:
                     return
+                job = self._jobs[0] if self._jobs else None
                 calls, self._calls = self._calls, []
                 if self.scheduler.admit():
                     self._cond.notify_all()  # room in the queue for blocked submitters
@@ -218,14 +243,29 @@ class StepLoop:
                     future.set_result(fn(self))
                 except BaseException as err:  # the caller gets it
                     future.set_exception(err)
+            if job is not None:
+                self._run_job(job)
             try:
-                self._step()
+                if self.scheduler.has_work:
+                    self._step()
             except Exception as err:  # a bug in the loop itself: fail what it held, keep serving
                 log.exception("step failed; ending the requests it held")
                 self._flush_held()
                 for entry in self.scheduler.running:
                     entry.machine.fail(f"internal error in the step loop: {type(err).__name__}: {err}")
                 self._retire()
+
+    def _run_job(self, job: Job) -> None:
+        """One unit of the oldest job; jobs take turns (a long one goes to the back after each)."""
+        stopped, before = job.stop_reason() is not None, job.units
+        ended = job.run_unit(self)
+        self.stats.jobs_stopped += stopped
+        self.stats.job_units += job.units - before
+        with self._cond:
+            if self._jobs and self._jobs[0] is job:
+                self._jobs.popleft()
+                if not ended:
+                    self._jobs.append(job)
 
     def _step(self) -> None:
         output = self.scheduler.schedule()

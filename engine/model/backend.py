@@ -25,7 +25,7 @@ from engine.config import BackendConfig
 from engine.model.capture import CapturePlan, RowCapture
 from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, HookSet
 
-__all__ = ["Backend", "ModelInfo", "KVLayout", "ForwardRow", "ForwardBatch", "ForwardOutput", "RowOutput",
+__all__ = ["Backend", "ModelInfo", "KVLayout", "ForwardRow", "ForwardBatch", "ForwardOutput", "RowOutput", "TokenScores",
            "ForwardRecord", "FORWARD_TOP_K", "top_logprobs"]
 
 # Every forward's most likely next tokens, which observability payloads record per ForwardPass.
@@ -94,6 +94,20 @@ class ForwardRow:
     steer_layer: int | None = None
     table: Sequence[int] = ()
     top: bool = True
+    # a prompt being scored: ``targets[j]`` is the token after position ``start + j``; the row's
+    # output then carries each target's log-prob (and the ``score_top_k`` best alternatives)
+    targets: tuple[int, ...] | None = None
+    score_top_k: int = 0
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """A scored row's ``logprobs[j]`` = log p(``targets[j]`` | the tokens up to position
+    ``start + j``) under the model's own distribution, and ``top[j]`` its ``score_top_k`` best
+    ``(id, logprob)``. Plain Python data."""
+
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,12 @@ class RowOutput:
     ever read by the batched sampler, through :attr:`source`."""
 
     __slots__ = ("_batch", "index", "_logits", "captured", "_top")
+
+    @property
+    def scores(self) -> "TokenScores | None":
+        """A scored row's per-position log-probs (its ForwardRow had ``targets``), else None."""
+        batch = self._batch
+        return None if batch is None or batch.scores is None else batch.scores[self.index]
 
     def __init__(self, logits: Any, captured: RowCapture, top: tuple[Any, Any] | None, *,
                  batch: "ForwardOutput | None" = None, index: int = 0) -> None:
@@ -185,6 +205,7 @@ class ForwardOutput:
     top: tuple[Any, Any] | None
     captured: tuple[RowCapture, ...]
     host: Any = field(default=None, compare=False, repr=False)  # HostLogits, once a row's mods may read it
+    scores: tuple[TokenScores | None, ...] | None = None  # per row, for rows fed with targets
 
     def rows(self) -> list[RowOutput]:
         return [RowOutput(None, c, None, batch=self, index=b) for b, c in enumerate(self.captured)]
@@ -242,6 +263,13 @@ class Backend(Protocol):
         text), from fresh forwards that use no slot: the final normed hidden states, or the
         residual stream after block ``layer``, pooled by ``"mean"`` or ``"last"``
         (:mod:`engine.model.embeddings`)."""
+        ...
+
+    def embed_batches(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None, pool: str = "mean",
+                      batch_size: int = 16, max_tokens: int | None = None) -> Any:
+        """:meth:`embed` a batch per ``next()`` (each at most ``max_tokens`` padded tokens, but
+        always one text; yields the tokens it fed), returning the embeddings: the units the step
+        loop schedules (arguments are checked when it is called, before any forward)."""
         ...
 
     def capture(self, input_ids: Sequence[int], names: Sequence[str], *, out: Any = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ so there a batch and one by one may differ by float32 rounding.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from typing import Any, Generator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from engine.model.hook_names import HookName, resid_post
 from engine.model.named_capture import check_input_ids
 from engine.model.taps import taps_of
 
-__all__ = ["Pool", "POOLS", "WIDTH_MULTIPLE", "embed", "tokenize_texts", "batches"]
+__all__ = ["Pool", "POOLS", "WIDTH_MULTIPLE", "embed", "embed_batches", "tokenize_texts", "batches"]
 
 Pool = Literal["mean", "last"]
 POOLS: tuple[str, ...] = ("mean", "last")
@@ -76,20 +76,40 @@ def _pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, pool:
     return (hidden * weights).sum(dim=1) / lengths.to(hidden.dtype).unsqueeze(-1)
 
 
-def batches(lengths: Sequence[int], batch_size: int) -> list[tuple[int, list[int]]]:
+def batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None) -> list[tuple[int, list[int]]]:
     """``(padded width, text indices)`` per batch: texts grouped by the multiple of
-    :data:`WIDTH_MULTIPLE` strictly above their length, longest first, at most ``batch_size`` each."""
+    :data:`WIDTH_MULTIPLE` strictly above their length, longest first, at most ``batch_size`` each
+    and, with ``max_tokens``, at most that many padded tokens (but always one text)."""
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         groups.setdefault((n // WIDTH_MULTIPLE + 1) * WIDTH_MULTIPLE, []).append(i)
-    return [(width, members[start:start + batch_size]) for width, members in sorted(groups.items(), reverse=True)
-            for start in range(0, len(members), batch_size)]
+    size = batch_size
+    out = []
+    for width, members in sorted(groups.items(), reverse=True):
+        if max_tokens is not None:
+            size = max(1, min(batch_size, max_tokens // width))
+        out += [(width, members[start:start + size]) for start in range(0, len(members), size)]
+    return out
 
 
 def embed(model: Any, token_ids: Sequence[Sequence[int]], *, pad_id: int | None = None, layer: int | None = None,
           pool: str = "mean", batch_size: int = 16) -> np.ndarray:
     """``(len(token_ids), d)`` float32 embeddings, row ``i`` for the text tokenised as
-    ``token_ids[i]`` (:func:`tokenize_texts`).
+    ``token_ids[i]`` (:func:`tokenize_texts`): :func:`embed_batches` run to its end."""
+    batches_run = embed_batches(model, token_ids, pad_id=pad_id, layer=layer, pool=pool, batch_size=batch_size)
+    while True:
+        try:
+            next(batches_run)
+        except StopIteration as done:
+            return done.value
+
+
+def embed_batches(model: Any, token_ids: Sequence[Sequence[int]], *, pad_id: int | None = None,
+                  layer: int | None = None, pool: str = "mean", batch_size: int = 16,
+                  max_tokens: int | None = None) -> Generator[int, None, np.ndarray]:
+    """Embed ``token_ids`` one batch per ``next()`` (each yields the padded tokens it fed, at most
+    ``max_tokens`` but always one text); the generator returns the ``(len(token_ids), d)`` float32
+    embeddings. The arguments are checked before the first batch.
 
     ``model``: a loaded model's :class:`~engine.model.taps.Taps` (or the model). ``layer=None``:
     final hidden states after the final norm; ``layer=L``: the residual stream after block ``L``.
@@ -112,10 +132,16 @@ def embed(model: Any, token_ids: Sequence[Sequence[int]], *, pad_id: int | None 
         raise InvalidRequestError("`token_ids` must be a non-empty list of token id lists, got "
                                   f"{type(token_ids).__name__}", parameter="token_ids", value=type(token_ids).__name__)
     ids = [check_input_ids(model, text_ids) for text_ids in token_ids]
+    return _embed_batches(taps, ids, name, pad_id, pool, batch_size, max_tokens)
+
+
+def _embed_batches(taps: Any, ids: list[list[int]], name: HookName, pad_id: int | None, pool: str, batch_size: int,
+                   max_tokens: int | None) -> Generator[int, None, np.ndarray]:
+    model = taps.model
     device = next(model.parameters()).device
     pad = 0 if pad_id is None else int(pad_id)  # never attended: masked, at the end
     out = np.empty((len(ids), int(model.config.hidden_size)), dtype=np.float32)
-    for width, chunk in batches([len(t) for t in ids], batch_size):
+    for width, chunk in batches([len(t) for t in ids], batch_size, max_tokens):
         lengths = torch.tensor([len(ids[i]) for i in chunk], device=device)  # (B,)
         batch = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)  # (B, T)
         for row, i in enumerate(chunk):
@@ -126,4 +152,5 @@ def embed(model: Any, token_ids: Sequence[Sequence[int]], *, pad_id: int | None 
             taps.base(input_ids=batch, attention_mask=mask.long(), use_cache=False)
         hidden = rec.tensors()[name]  # (B, T, d)
         out[chunk] = _pool(hidden, mask, lengths, pool).cpu().numpy()
+        yield width * len(chunk)
     return out

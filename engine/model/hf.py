@@ -25,10 +25,10 @@ import torch
 from engine.config import BackendConfig
 from engine.errors import ContextOverflowError, InvalidRequestError
 from engine.model.backend import ForwardBatch, ForwardOutput, ForwardRow, KVLayout, ModelInfo, top_logprobs
+from engine.model.scoring import score_positions
 from engine.model.capture import (
     CAPTURE_KWARG,
     AttentionCapture,
-    CapturePlan,
     RowCapture,
     check_layer,
     ensure_attention_registered,
@@ -148,8 +148,9 @@ class HuggingFaceBackend:
             self.cache.grow(batch.num_blocks)
         for source, destination, length in batch.copies:
             self.cache.copy_block(source, destination, length)
-        groups = [[i for i, r in enumerate(rows) if (len(r.tokens) == 1) == single] for single in (True, False)]
-        groups = [g for g in groups if g]
+        # decode rows, prefill-shaped rows, and rows being scored (their every position's logits)
+        kinds = [2 if r.targets is not None else 0 if len(r.tokens) == 1 else 1 for r in rows]
+        groups = [g for g in ([i for i, k in enumerate(kinds) if k == kind] for kind in (0, 1, 2)) if g]
         outs = [self._run([rows[i] for i in group]) for group in groups]
         if len(outs) == 1:
             return outs[0]
@@ -164,14 +165,18 @@ class HuggingFaceBackend:
             top = (torch.cat([p[0] for p in parts]).index_select(0, inverse),
                    torch.cat([p[1] for p in parts]).index_select(0, inverse))
         joined = [c for o in outs for c in o.captured]  # in group order
+        joined_scores = [s for o in outs for s in (o.scores or (None,) * len(o.captured))]
         captured: list[Any] = [None] * len(order)
+        scores: list[Any] = [None] * len(order)
         for position, i in enumerate(order):
-            captured[i] = joined[position]
-        return ForwardOutput(logits, top, tuple(captured))
+            captured[i], scores[i] = joined[position], joined_scores[position]
+        return ForwardOutput(logits, top, tuple(captured),
+                             scores=tuple(scores) if any(s is not None for s in scores) else None)
 
     def _static_fits(self, rows: Sequence[ForwardRow]) -> bool:
         """One-token rows, no steering: the static/graph decode path."""
-        return self._static_decode and len(rows[0].tokens) == 1 and all(r.steer is None for r in rows)
+        return (self._static_decode and len(rows[0].tokens) == 1 and rows[0].targets is None
+                and all(r.steer is None for r in rows))
 
     def _run_static(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
         plans = [r.plan for r in rows]
@@ -223,14 +228,17 @@ class HuggingFaceBackend:
         capture = AttentionCapture.for_rows(plans)
         if capture is not None:
             kwargs[CAPTURE_KWARG] = capture
+        scoring = rows[0].targets is not None  # execute() runs scored rows as a group of their own
         with torch.inference_mode(), self._steering(rows):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                             logits_to_keep=1, **cache_argument(self.model, view), **kwargs)
+                             logits_to_keep=0 if scoring else 1, **cache_argument(self.model, view), **kwargs)
             logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
             top = top_logprobs(logits) if any(r.top for r in rows) else None
+            scores = tuple(score_positions(out.logits[b, q - len(r.tokens):], r.targets, r.score_top_k)  # type: ignore[arg-type]
+                           for b, r in enumerate(rows)) if scoring else None
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
         captured = split_rows(out, plans, capture, hidden_index, [s + n for s, n in zip(starts, lengths)], lengths)
-        return ForwardOutput(logits, top, tuple(captured))
+        return ForwardOutput(logits, top, tuple(captured), scores=scores)
 
     @contextlib.contextmanager
     def _steering(self, rows: Sequence[ForwardRow]):
@@ -259,6 +267,13 @@ class HuggingFaceBackend:
 
         return embed(self._taps, token_ids, pad_id=self._tokenizer.pad_token_id, layer=layer, pool=pool,
                      batch_size=batch_size)
+
+    def embed_batches(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None, pool: str = "mean",
+                      batch_size: int = 16, max_tokens: int | None = None) -> Any:
+        from engine.model.embeddings import embed_batches
+
+        return embed_batches(self._taps, token_ids, pad_id=self._tokenizer.pad_token_id, layer=layer, pool=pool,
+                             batch_size=batch_size, max_tokens=max_tokens)
 
     def capture(self, input_ids: Sequence[int], names: Sequence[str], *, out: Any = None) -> dict[str, Any]:
         from engine.model.named_capture import capture

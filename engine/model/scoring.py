@@ -19,7 +19,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.model.named_capture import check_input_ids
 
-__all__ = ["SequenceScores", "score", "MAX_SCORE_TOP_K"]
+__all__ = ["SequenceScores", "score", "score_positions", "MAX_SCORE_TOP_K"]
 
 MAX_SCORE_TOP_K = 20
 _CHUNK = 256  # positions whose vocabulary-wide log-softmax is held at once: (256, vocab) float32
@@ -65,3 +65,25 @@ def score(model: Any, token_ids: Sequence[int], *, top_k: int = 0) -> SequenceSc
             else:
                 top.extend(() for _ in range(stop - start))
     return SequenceScores(tuple(ids), (None, *chosen), tuple(top))
+
+
+def score_positions(logits: torch.Tensor, targets: Sequence[int], top_k: int) -> Any:
+    """``logits (q, V)`` of a fed chunk's positions → a :class:`~engine.model.backend.TokenScores`
+    of ``targets`` (the token after each position; at most ``q``), in ``_CHUNK`` positions of
+    vocabulary-wide log-softmax at a time."""
+    from engine.model.backend import TokenScores
+
+    n = len(targets)
+    chosen: list[float] = []
+    top: list[tuple[tuple[int, float], ...]] = []
+    wanted = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        logp = torch.log_softmax(logits[start:stop].float(), dim=-1)  # (C, V)
+        chosen.extend(logp.gather(1, wanted[start:stop, None])[:, 0].tolist())
+        if top_k:
+            values, indices = logp.topk(top_k, dim=-1)  # (C, k)
+            top.extend(tuple(zip(row_ids, row_values)) for row_ids, row_values in zip(indices.tolist(), values.tolist()))
+        else:
+            top.extend(() for _ in range(stop - start))
+    return TokenScores(tuple(chosen), tuple(top))

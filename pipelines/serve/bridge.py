@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from typing import Any, AsyncIterator
 
 from .engine_stream import submit
 from .errors import ApiError, ErrorCode, api_error_from
 
-__all__ = ["Stream", "open_stream"]
+__all__ = ["Stream", "open_stream", "run_job"]
 
 _END = object()
 
@@ -33,6 +34,39 @@ async def open_stream(engine: Any, request: Any, *, timeout_s: float) -> "Stream
     except Exception as err:
         raise api_error_from(err) from err
     return Stream(handle, timeout_s)
+
+
+async def run_job(engine: Any, method: str, *args: Any, request: Any = None, timeout_s: float,
+                  **kwargs: Any) -> Any:
+    """``engine.<method>(*args, job_id=…, timeout=timeout_s, **kwargs)`` (embeddings, scoring, a
+    capture: scheduled by the engine's step loop a unit per step) off the event loop, cancelled
+    when the HTTP client behind ``request`` disconnects and stopped by the engine past
+    ``timeout_s`` (a 504 TIMEOUT); its typed errors become :class:`ApiError`."""
+    job_id = f"{method}-{uuid.uuid4().hex[:12]}"
+    call = asyncio.ensure_future(asyncio.to_thread(getattr(engine, method), *args, job_id=job_id,
+                                                   timeout=timeout_s, **kwargs))
+    try:
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                break
+            if request is not None and await request.is_disconnected():
+                await asyncio.to_thread(engine.cancel, job_id)  # its next unit does not run
+                raise ApiError(ErrorCode.INVALID_REQUEST, "the client disconnected; the work was cancelled")
+        return call.result()
+    except asyncio.CancelledError:  # the server dropped the route (shutdown, disconnect): stop the work too
+        await asyncio.to_thread(engine.cancel, job_id)
+        raise
+    except ApiError:
+        raise
+    except TimeoutError:
+        raise ApiError(ErrorCode.TIMEOUT, f"the request must finish within {timeout_s:g} s; it was cancelled. Send "
+                                          f"less (fewer or shorter inputs).") from None
+    except Exception as err:
+        raise api_error_from(err) from err
+
+
+_DISCONNECT_POLL_S = 0.25  # how often a waiting route asks whether its client is still there
 
 
 class Stream:

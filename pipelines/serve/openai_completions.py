@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -32,6 +31,7 @@ from fastapi.responses import StreamingResponse
 from engine.core.inputs import GenerationRequest
 from engine.errors import InvalidRequestError
 
+from .bridge import run_job
 from .errors import ApiError, ErrorCode, api_error_from, result_error
 from .openai_choices import Choice, interleave, open_choices, seeded
 from .openai_common import (SSE_DONE, SSE_HEADERS, fingerprint, parse_stops, stream_options, usage, refuse_unsupported,
@@ -53,7 +53,7 @@ DEFAULT_MAX_TOKENS = 16
 
 @router.post("/completions", responses=ERRORS)
 async def completions(body: CompletionRequest, request: Request) -> Any:
-    call = CompletionCall(service_of(request), body)
+    call = CompletionCall(service_of(request), body, request)
     await call.score_prompts()
     choices = await call.open()
     if body.stream:
@@ -68,8 +68,9 @@ def _refuse(field: str, constraint: str, value: Any) -> ApiError:
 class CompletionCall:
     """One completions request: validation, its engine requests, and the answer in both shapes."""
 
-    def __init__(self, service: Service, body: CompletionRequest) -> None:
+    def __init__(self, service: Service, body: CompletionRequest, http_request: Request | None = None) -> None:
         self.service, self.body = service, body
+        self.http_request = http_request  # its client's disconnect cancels the prompt scoring
         self.mods = resolve_model(service, body.model)
         self.ext = parse_extension(service, body.raylens)
         if self.ext is not None:
@@ -114,10 +115,9 @@ class CompletionCall:
         if not (self.body.echo and self.want_logprobs):
             return
         for prompt in self.prompts:
-            try:
-                self.scores.append(await asyncio.to_thread(self.service.engine.score, prompt.ids, top_k=self.k))
-            except Exception as err:
-                raise api_error_from(err) from err
+            self.scores.append(await run_job(self.service.engine, "score", prompt.ids, top_k=self.k,
+                                             request=self.http_request,
+                                             timeout_s=self.service.settings.request_timeout_s))
 
     async def open(self) -> list[Choice]:
         """Every choice's engine request, accepted (none when only scoring)."""

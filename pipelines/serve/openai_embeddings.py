@@ -10,7 +10,6 @@ base64, as OpenAI does (what the ``openai`` client asks for by default).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from typing import Any
 
@@ -20,6 +19,7 @@ from fastapi import APIRouter, Request
 from engine.errors import RaylensError
 from engine.model.embeddings import tokenize_texts
 
+from .bridge import run_job
 from .errors import ApiError, ErrorCode, api_error_from
 from .openai_common import service_of
 from .openai_models import ERRORS, MAX_EMBEDDING_INPUTS, EmbeddingRequest
@@ -75,10 +75,8 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
         raise ApiError(ErrorCode.INVALID_REQUEST, f"`dimensions` must be null or the model's hidden size {width} "
                                                   f"(vectors are not shortened), got {body.dimensions}.", "dimensions")
     ids = embedding_inputs(service, body.input)
-    try:
-        vectors = await asyncio.to_thread(service.engine.embed_tokens, ids)  # (len(ids), width) float32
-    except Exception as err:
-        raise api_error_from(err) from err
+    vectors = await run_job(service.engine, "embed_tokens", ids, request=request,  # (len(ids), width) float32
+                            timeout_s=service.settings.request_timeout_s)
     tokens = sum(len(i) for i in ids)
     return {"object": "list", "model": body.model,
             "data": [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}

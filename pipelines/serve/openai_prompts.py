@@ -9,7 +9,7 @@ character split over several byte-level tokens belongs to the token that complet
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from engine.core.detokenizer import token_pieces
 

@@ -25,7 +25,6 @@ Each part is off unless asked for, and bounded::
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import math
 from dataclasses import dataclass
@@ -36,7 +35,8 @@ import numpy as np
 from engine.errors import RaylensError
 from engine.model.hook_names import expand_hook_names, hook_spec
 
-from .errors import ApiError, ErrorCode, api_error_from
+from .bridge import run_job
+from .errors import ApiError, ErrorCode
 from .openai_text import ChoiceText
 from .service import Service
 
@@ -106,11 +106,8 @@ class Extension:
         sequence = [int(t) for t in result.prompt_ids] + [int(t) for t in completion]
         start, end, _ = slice(self.capture_start, self.capture_end).indices(len(sequence))
         end = max(start, min(end, start + MAX_CAPTURE_TOKENS))
-        try:
-            tensors = await asyncio.to_thread(service.engine.capture, input_ids=sequence,
-                                              names=list(self.capture_names))
-        except Exception as err:
-            raise api_error_from(err) from err
+        tensors = await run_job(service.engine, "capture", input_ids=sequence, names=list(self.capture_names),
+                                timeout_s=service.settings.request_timeout_s)
         out, total = {}, 0
         for name, tensor in tensors.items():
             array = _numpy(tensor)

@@ -180,18 +180,32 @@ class RemoteEngine:
         """``Engine.encode`` run by the actor (the chat template exactly as requests get it)."""
         return self._call("encode", prompt, **kwargs)
 
-    def score(self, input_ids: Sequence[int], *, top_k: int = 0) -> Any:
-        """``Engine.score`` run by the actor (one fresh forward beside its step loop)."""
-        return self._call("score", list(input_ids), top_k)
+    def score(self, input_ids: Sequence[int], *, top_k: int = 0, job_id: str | None = None,
+              timeout: float | None = None) -> Any:
+        """``Engine.score`` run by the actor (a job its step loop schedules; :meth:`cancel` by ``job_id``)."""
+        return self._call("score", list(input_ids), top_k, job_id=job_id, timeout=timeout)
 
-    def capture(self, *, input_ids: Sequence[int], names: Sequence[str]) -> dict[str, Any]:
+    def capture(self, *, input_ids: Sequence[int], names: Sequence[str], job_id: str | None = None,
+                timeout: float | None = None) -> dict[str, Any]:
         """``Engine.capture`` of ``input_ids`` run by the actor: ``{name: float32 numpy array}``."""
-        return self._call("capture", [int(t) for t in input_ids], list(names))
+        return self._call("capture", [int(t) for t in input_ids], list(names), job_id=job_id, timeout=timeout)
 
-    def embed_tokens(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None,
-                     pool: str = "mean") -> Any:
+    def embed_tokens(self, token_ids: Sequence[Sequence[int]], *, layer: int | None = None, pool: str = "mean",
+                     job_id: str | None = None, timeout: float | None = None) -> Any:
         """``Engine.embed_tokens`` run by the actor."""
-        return self._call("embed_tokens", [list(ids) for ids in token_ids], layer, pool)
+        return self._call("embed_tokens", [list(ids) for ids in token_ids], layer, pool, job_id=job_id,
+                          timeout=timeout)
+
+    def cancel(self, request_id: str) -> bool:
+        """Ask every generator to cancel the request or job ``request_id`` (only the one running it
+        has it); whether one did."""
+        import ray
+
+        refs = [generator.cancel.remote(request_id) for generator in self.generators]
+        try:
+            return any(ray.get(refs, timeout=self.config.ray.call_timeout_s))
+        except Exception as err:
+            raise unwrap(err) from None
 
     def submit(self, request: GenerationRequest | str | None = None, /, *, on_event: Any = None,
                block: bool = True, timeout: float | None = None, **fields: Any) -> RemoteHandle:
