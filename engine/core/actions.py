@@ -68,6 +68,7 @@ class StepPlan:
     """What the ForwardPass/Sampled phase decided for the rest of the step."""
 
     logits: Any = None  # AdjustedLogits replacement (V,), torch, on device
+    argmax: Any = None  # its argmax (0-d, on device), found by the validity check's one pass
     sampling: SamplingParams | None = None
     backtracked: bool = False
     reinject: list[int] = field(default_factory=list)
@@ -200,13 +201,15 @@ class PhaseActions:
             return self.fault(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
                                     f"got {logits.shape[0]}")
         # one pass and one device read: the maximum is finite unless there is a NaN (max propagates
-        # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from
-        if not bool(torch.isfinite(logits.max())):
+        # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from; the same
+        # pass finds the greedy choice (the first maximum, as argmax picks it)
+        best, where = logits.max(0)
+        if not bool(torch.isfinite(best)):
             return self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
                                     "finite entry; got NaN, +inf or -inf everywhere")
         temp = action.token_temp
         base = self.state.request.sampling
-        plan.logits = logits
+        plan.logits, plan.argmax = logits, where
         plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
         self.applied(item)
 

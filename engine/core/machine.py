@@ -130,14 +130,16 @@ class RequestMachine:
         self.fast = self._mod_free and state.on_event is None
         self._trace: list[tuple[Any, ...]] = []
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
+        self._calls: CallRunner | None = None  # where its mods' calls run outside a phase (start)
 
     @property
     def steer_log(self) -> list[dict[str, Any]]:
         return self.actions.steer_log
 
-    def start(self, *, max_sequence: int, overlap: bool = False) -> None:
-        """Admitted into a batch: its context limit and whether its announcements may overlap."""
-        self.max_sequence, self.overlap = max_sequence, overlap
+    def start(self, *, max_sequence: int, overlap: bool = False, calls: CallRunner | None = None) -> None:
+        """Admitted into a batch: its context limit, whether its announcements may overlap, and
+        where its mods' calls run outside a phase (Prefilled: the loop's shared runner)."""
+        self.max_sequence, self.overlap, self._calls = max_sequence, overlap, calls
         if self.state.status is RequestStatus.WAITING:
             self.state.status = RequestStatus.PREFILLING
 
@@ -360,13 +362,14 @@ class RequestMachine:
         logits = None if source is not None else plan.logits if plan.logits is not None else output.logits  # type: ignore[union-attr]
         if not (params.needs_history or params.needs_generated):
             return SampleRow(logits, params, state.generator, None, request.logprobs, None, suppress, mask, source,
-                             output.batch_top if source is not None else None)  # type: ignore[union-attr]
+                             output.batch_top if source is not None else None, plan.argmax)  # type: ignore[union-attr]
         vocab, device = self.actions.vocab_size, self.actions.device
         return SampleRow(logits, params, state.generator,
                          state.penalty_counts("history", vocab, device) if params.needs_history else None,
                          request.logprobs,
                          state.penalty_counts("generated", vocab, device) if params.needs_generated else None,
-                         suppress, mask, source, output.batch_top if source is not None else None)  # type: ignore[union-attr]
+                         suppress, mask, source, output.batch_top if source is not None else None,  # type: ignore[union-attr]
+                         plan.argmax)
 
     def on_sample(self, sample: SampleResult | None) -> Phase[bool]:
         """Sampled and its actions, the step's tokens added and announced, stop checks. ``None``:
@@ -495,7 +498,10 @@ class RequestMachine:
             self._announce(self._record, (event,))
             return []
         index = self._record(event)
-        return self._items(index, self.state.manager.dispatch_traced(event))
+        manager = self.state.manager
+        if self._calls is None:
+            return self._items(index, manager.dispatch_traced(event))
+        return self._items(index, dispatch_batch([(manager, event)], self._calls)[0])
 
     def _items(self, index: int, calls: Sequence[ModCall]) -> list[Call]:
         items = [Call(c, i) for c, i in zip(calls, self.state.payload.calls(index, calls))]

@@ -129,6 +129,7 @@ class Scheduler:
         self.max_sequence = max_sequence
         self.stats = stats if stats is not None else LoopStats()
         self.overlap = overlap
+        self.mod_calls: Any = None  # the loop's CallRunner, where admitted requests' mods run outside a phase
         self.waiting: collections.deque[Entry] = collections.deque()
         self.running: list[Entry] = []
 
@@ -160,7 +161,7 @@ class Scheduler:
             if not self._reserve(entry, alone=not self.running):
                 break
             self.waiting.popleft()
-            entry.machine.start(max_sequence=self.max_sequence, overlap=self.overlap)
+            entry.machine.start(max_sequence=self.max_sequence, overlap=self.overlap, calls=self.mod_calls)
             self.running.append(entry)
             new.append(entry)
         self.stats.max_active = max(self.stats.max_active, len(self.running))

@@ -82,6 +82,7 @@ class StepLoop:
         self._jobs: collections.deque[Job] = collections.deque()  # embeddings, scoring, captures: a unit a step
         self._sampled_at: float | None = None
         self.mod_calls = CallRunner()  # where every request's mod calls run, a phase of a step at a time
+        self.scheduler.mod_calls = self.mod_calls
 
     @classmethod
     def for_backend(cls, backend: Backend) -> "StepLoop":

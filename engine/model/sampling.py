@@ -147,6 +147,7 @@ class SampleRow:
     # (values (B, k), ids (B, k)) of the source's logits, sorted, when the forward computed them
     # (what payloads record): a plain greedy row's token is then its first id, not a new argmax
     top: tuple[torch.Tensor, torch.Tensor] | None = None
+    argmax: torch.Tensor | None = None  # the logits' argmax (0-d) when already known (a mod's AdjustedLogits)
 
     @property
     def plain(self) -> bool:
@@ -197,9 +198,22 @@ def _gather(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
 
 
 def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
-    """``(len(which),)`` each row's argmax. Rows of one CPU batch whose forward already sorted its
+    """``(len(which),)`` each row's argmax. A row that knows it (a mod's adjusted logits, checked
+    in one pass that found it) takes it; rows of one CPU batch whose forward already sorted its
     top logits take the first of them (no pass over the vocabulary); a row whose two best are
     equal takes ``argmax``'s choice (the first such id), as :func:`torch.topk` orders ties freely."""
+    known = [i for i in which if rows[i].argmax is not None]
+    if known:
+        out = torch.stack([rows[i].argmax for i in known])
+        rest = [i for i in which if rows[i].argmax is None]
+        if not rest:
+            return out
+        ids = _argmax(rows, rest)
+        chosen = torch.empty(len(which), dtype=torch.long, device=out.device)
+        position = {i: j for j, i in enumerate(which)}
+        chosen[[position[i] for i in known]] = out
+        chosen[[position[i] for i in rest]] = ids.to(out.device)
+        return chosen
     first = rows[which[0]]
     batch = first.source[0] if first.source is not None else None
     if (first.top is None or batch is None or batch.device.type != "cpu"
