@@ -28,8 +28,9 @@ import torch
 
 __all__ = ["TensorShim", "HostLogits", "as_torch"]
 
-# the host copies HostLogits lent out, by id: from_numpy wraps a view of one without a copy
-_LENT: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
+# the host copies HostLogits lent out, by the copy's id: from_numpy wraps a view of one without a
+# copy, and an AdjustedLogits made of one is checked with the step's other rows in one pass
+_LENT: "weakref.WeakValueDictionary[int, HostLogits]" = weakref.WeakValueDictionary()
 
 
 class HostLogits:
@@ -43,6 +44,7 @@ class HostLogits:
         self._host: np.ndarray | None = None
         self._lent: set[int] = set()
         self._lock = threading.Lock()  # mods of different requests may run on different threads
+        self._maxima: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add(self, row: int) -> None:
         """Row ``row``'s mods may read it (before anything is lent)."""
@@ -59,9 +61,33 @@ class HostLogits:
             if self._host is None:
                 rows = torch.tensor(list(self.slot), device=self.batch.device)
                 host = self.batch.index_select(0, rows).to(dtype=torch.float32).cpu().numpy()  # (M, V): a copy
-                _LENT[id(host)] = host
+                _LENT[id(host)] = self
                 self._host = host
             return self._host[j:j + 1]
+
+    @staticmethod
+    def row_of(tensor: torch.Tensor) -> "tuple[HostLogits, int] | None":
+        """``(the step's HostLogits, slot)`` when ``tensor`` is a whole row lent by one (a logits
+        mod's edit-and-return), else None."""
+        for host in list(_LENT.values()):
+            array = host._host
+            if array is None or tensor.dtype != torch.float32 or tensor.numel() != array.shape[1]:
+                continue
+            offset = tensor.data_ptr() - array.ctypes.data
+            row_bytes = array.shape[1] * array.itemsize
+            if 0 <= offset < array.nbytes and offset % row_bytes == 0 and tensor.is_contiguous():
+                return host, offset // row_bytes
+        return None
+
+    def row_max(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(maximum, its first index)`` of lent row ``slot`` as its mod left it. Every row at once,
+        in one pass, the first time it is asked: a phase's actions are applied after all of its
+        mod calls returned, so no row changes after that."""
+        with self._lock:
+            if self._maxima is None:
+                self._maxima = torch.from_numpy(self._host).max(dim=-1)  # type: ignore[arg-type]  (M,)
+            values, indices = self._maxima
+        return values[slot], indices[slot]
 
 
 class TensorShim:
@@ -106,7 +132,8 @@ class TensorShim:
         step's logits lent to a mod (its first ``to_numpy()``) is wrapped as it is: it is already
         the mod's own copy."""
         base = getattr(array, "base", None)
-        if base is not None and _LENT.get(id(base)) is base and array.dtype == np.float32:
+        lender = _LENT.get(id(base)) if base is not None else None
+        if lender is not None and lender._host is base and array.dtype == np.float32:
             return cls(torch.from_numpy(array))
         return cls(torch.from_numpy(np.array(array, copy=True)))
 
