@@ -48,7 +48,7 @@ from .conversation import pop_request_context, push_request_context
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
-__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "abandoned_mod_threads", "mod_name"]
+__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "abandoned_mod_threads", "mod_name"]
 
 log = logging.getLogger("raylens.mods")
 
@@ -100,6 +100,21 @@ class ModCall:
     def noteworthy(self) -> bool:
         """Worth a ``mod_calls`` row in the payload: it acted, printed, or failed."""
         return not isinstance(self.action, Noop) or bool(self.logs) or self.exception is not None
+
+
+@dataclass
+class ModCallStats:
+    """Every call one manager made: how many, how many raised or timed out, and their seconds
+    (what the engine's mod metrics add up)."""
+
+    calls: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+    def record(self, call: ModCall) -> None:
+        self.calls += 1
+        self.errors += call.exception is not None
+        self.seconds += call.elapsed_ms / 1000.0
 
 
 def mod_name(mod: Callable[..., Any]) -> str:
@@ -219,6 +234,7 @@ class ModManager:
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
         self._finalizer: weakref.finalize | None = None
+        self.call_stats = ModCallStats()
 
     @property
     def call_timeout_s(self) -> float | None:
@@ -244,6 +260,7 @@ class ModManager:
         calls: list[ModCall] = []
         for m in self.mods if mods is None else mods:
             calls.append(self._call(m, event))
+            self.call_stats.record(calls[-1])
             if calls[-1].fatal:
                 break
         return calls

@@ -168,6 +168,11 @@ class StepLoop:
     def active(self) -> int:
         return len(self._active)
 
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not yet admitted (the metrics' ``num_requests_waiting``)."""
+        return len(self._waiting)
+
     # ------------------------------------------------------------------------------- the loop
 
     def _run(self) -> None:

@@ -17,6 +17,7 @@ from engine.core.inputs import GenerationRequest
 
 from .bridge import Stream, open_stream
 from .openai_text import ChoiceText
+from .routing import same_replica
 from .service import Service
 
 __all__ = ["Choice", "open_choices", "seeded", "interleave"]
@@ -67,11 +68,12 @@ async def open_choices(service: Service, requests: Sequence[GenerationRequest],
     error before anything is answered, and cancels the choices already accepted."""
     choices: list[Choice] = []
     try:
-        for i, request in enumerate(requests):
-            stream = await open_stream(service.engine, request, timeout_s=service.settings.request_timeout_s)
-            text = new_text()
-            text.stop_ids = stream.handle.request.stop_ids
-            choices.append(Choice(first_index + i, stream, text))
+        with same_replica():  # the n choices run on one replica, as rows of one batch
+            for i, request in enumerate(requests):
+                stream = await open_stream(service.engine, request, timeout_s=service.settings.request_timeout_s)
+                text = new_text()
+                text.stop_ids = stream.handle.request.stop_ids
+                choices.append(Choice(first_index + i, stream, text))
     except BaseException:
         for choice in choices:
             choice.stream.cancel()
