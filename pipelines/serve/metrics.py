@@ -57,7 +57,7 @@ def plus(a: EngineMetrics, b: EngineMetrics) -> EngineMetrics:
             fields[f.name] = x.merged(y)
         elif isinstance(x, Mapping):
             fields[f.name] = {k: x.get(k, 0) + y.get(k, 0) for k in set(x) | set(y)}
-        elif isinstance(x, (SAEMetrics, IngestMetrics)) or isinstance(y, (SAEMetrics, IngestMetrics)):
+        elif x is None or y is None or isinstance(x, (SAEMetrics, IngestMetrics)):  # a part one engine may lack
             fields[f.name] = _plus_parts(x, y)
         else:
             fields[f.name] = x + y

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from engine.core.inputs import GenerationRequest
+from pipelines.cluster.prompt_keys import same_replica
 
 from .bridge import Stream, open_stream
 from .openai_text import ChoiceText
-from .routing import same_replica
 from .service import Service
 
 __all__ = ["Choice", "open_choices", "seeded", "interleave"]

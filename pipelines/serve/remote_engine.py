@@ -7,7 +7,7 @@ streams with job requests, and the SAE workers, StoreActor and IngestActor recor
 
 * Each request goes to the replica the router picks (``ray.router``: the one whose prefix cache
   holds most of the prompt's leading blocks, by default; :mod:`pipelines.cluster.router`); the
-  ``n`` choices of one request share a replica (:func:`~pipelines.serve.routing.same_replica`).
+  ``n`` choices of one request share a replica (:func:`~pipelines.cluster.prompt_keys.same_replica`).
 * A replica that dies: its requests that had sent no token yet run again on another one (under
   ``<id>-retry1``), streams already under way end with :class:`~engine.errors.ReplicaLostError`
   (a retryable 503); Ray restarts it and it rejoins the router once it answers.
@@ -41,11 +41,11 @@ from engine.core.inputs import GenerationRequest, as_request
 from engine.core.request import EngineRequest
 from engine.core.stream import RequestHandle
 from engine.errors import NoReplicaError, QueueFullError, ReplicaDrainingError, ReplicaLostError
+from pipelines.cluster.prompt_keys import PromptKeys, current_group
 from pipelines.cluster.replicas import ReplicaSet
 from pipelines.cluster.router import RouteRequest
 
 from .errors import is_lost_actor
-from .routing import PromptKeys, current_group
 
 __all__ = ["RemoteEngine", "RemoteHandle", "Attempt", "unwrap"]
 
@@ -104,6 +104,16 @@ class RemoteHandle(RequestHandle):
         self.reruns = 0
         self._streamed = False  # a token event reached this handle: the request can no longer move
         threading.Thread(target=self._read, daemon=True, name=f"raylens-remote-{request.request_id[:8]}").start()
+
+    @property
+    def replica(self) -> str:
+        """The replica (actor name) running the request now."""
+        return self._attempt.replica
+
+    @property
+    def streamed(self) -> bool:
+        """Whether a token event has reached this handle (from then on the request cannot move)."""
+        return self._streamed
 
     def _read(self) -> None:
         while True:

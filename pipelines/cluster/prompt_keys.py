@@ -1,4 +1,4 @@
-"""What the server hands the replica router about a request: its prompt's leading block hashes, and
+"""What a caller hands the replica router about a request: its prompt's leading block hashes, and
 which requests must share a replica.
 
 The keys are the ones the replicas' KV managers cache blocks under
@@ -11,6 +11,9 @@ the replica then refuses it with its own typed error.
 ``same_replica()`` marks the requests submitted inside it (in this context, ``asyncio.to_thread``
 included) as one group: the ``n`` choices of one OpenAI request run on one replica, as rows of one
 batch (``pipelines/serve/openai_choices.py``).
+
+:func:`prompt_keys_for` builds the keys for a caller without a tokenizer of its own (a Ray job's
+driver): it loads the model's tokenizer files (no weights) and its dimensions from the replica.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from engine.cache_events import leading_block_keys
 from engine.config import RaylensConfig
 from engine.core.inputs import GenerationRequest
 
-__all__ = ["PromptKeys", "same_replica", "current_group"]
+__all__ = ["PromptKeys", "same_replica", "current_group", "prompt_keys_for"]
 
 _GROUP: contextvars.ContextVar[str | None] = contextvars.ContextVar("raylens_replica_group", default=None)
 
@@ -64,3 +67,28 @@ class PromptKeys:
         except Exception:  # the replica refuses it with its own error; route it by load
             return ()
         return tuple(leading_block_keys(ids, self.block_size))
+
+
+def prompt_keys_for(config: RaylensConfig, generator: Any) -> PromptKeys | None:
+    """Keys for a caller holding only a generator's handle: the tokenizer from the model's files
+    (converted by the generator), the dimensions from the generator; None when the files cannot
+    be read here (requests are then routed by load alone)."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from engine.model.backend import ModelInfo
+    from engine.model.loading import resolve_model_path
+
+    if config.ray.router != "affinity":
+        return None
+    try:
+        model = dict(ray.get(generator.serve_info.remote(), timeout=config.ray.call_timeout_s)["model"])
+        model["eos_token_ids"] = tuple(model["eos_token_ids"])
+        path = resolve_model_path(config.backend.model_id, config.backend.model_cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(path, token=config.backend.hf_token)
+    except Exception as err:  # e.g. a driver on a machine without the model's files: load routing still works
+        import logging
+
+        logging.getLogger("raylens.replicas").warning("routing by load only: no tokenizer here (%s)", err)
+        return None
+    return PromptKeys(config, tokenizer, ModelInfo(**model))
