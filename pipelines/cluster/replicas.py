@@ -76,14 +76,17 @@ class ReplicaSet:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def discover(self) -> None:
-        """The config's replicas running now, by name."""
+    def discover(self, *, fresh: bool = False) -> None:
+        """The config's replicas running now, by name. A replica that is down is looked up again
+        (``fresh``: every one), since a new actor may have taken its name."""
         namespace, prefix = self.config.ray.namespace, generator_prefix(self.config)
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == namespace and a["name"].startswith(prefix)}
+        with self._lock:
+            down = {name for name, status in self.router.stats().replicas.items() if not status.up}
         found = {}
         for name in names:
-            handle = self._handles.get(name)
+            handle = None if fresh or name in down else self._handles.get(name)
             if handle is None:
                 try:
                     handle = ray.get_actor(name, namespace=namespace)
@@ -91,6 +94,11 @@ class ReplicaSet:
                     continue
             found[name] = handle
         with self._lock:
+            for name, handle in found.items():
+                old = self._handles.get(name)
+                if old is not None and old._actor_id != handle._actor_id:  # another actor under the name
+                    self.router.on_replica_actor_died(name)
+                    self._reads.pop(name, None)
             self._handles = found
             self.router.update_replicas(sorted(found, key=self._order))
             for gone in set(self._reads) - set(found):

@@ -212,6 +212,7 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
                 write(flight, result)
     _order_by_line(out)
     replicas.close()
+    routed = replicas.stats()
     drained = [_settled(g.drain, timeout=timeout * 4) for g in replicas.handles.values()]
     _ingest_settled(topo.ingest, timeout)  # every payload sent or spooled before counting this job's
     counts = _settled(topo.store.request_counts, tally.ids, timeout=timeout) if tally.ids else {}
@@ -229,6 +230,11 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
         "ingest_spooled": ingest.get("spooled", 0),
         "run_id": run_id,
         "generators": drained,
+        "router": {"policy": routed.policy, "reruns": replicas.reruns,
+                   "decisions": [{"replica": replicas.label(name), "reason": reason, "requests": n}
+                                 for (name, reason), n in sorted(routed.decisions.items())],
+                   "cached_blocks": {replicas.label(name): status.cached_blocks  # as the router last read them
+                                     for name, status in sorted(routed.replicas.items())}},
     }
 
 

@@ -233,7 +233,7 @@ class RemoteEngine:
         from pipelines.cluster.topology import build_topology
 
         build_topology(self.config)
-        self.replicas.discover()
+        self.replicas.discover(fresh=True)
         self.replicas.refresh(wait_s=self.config.ray.call_timeout_s)
 
     def _ranked(self, route: RouteRequest, tried: set[str]) -> Iterator[tuple[str, Any]]:

@@ -278,3 +278,64 @@ def test_metrics_parse_and_their_token_counters_equal_the_usage_responses_report
     finally:
         engine.replicas.close()
         _end_namespace(config.ray.namespace)
+
+
+def test_raylens_scale_adds_and_removes_replicas_without_dropping_a_request(ray_head, tmp_path, capsys):
+    """Requests flow the whole time (two at once); `raylens scale 2` adds a replica the server's
+    router starts using, `raylens scale 1` drains it and ends it: every request completes."""
+    import json
+
+    import yaml
+
+    from engine.core.inputs import GenerationRequest
+    from pipelines.cli import main
+    from pipelines.cluster.scaling import running_replicas
+
+    config = _config(tmp_path, generators=1, pool=None)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    engine = _remote(config)
+    stop, outcomes, lock = threading.Event(), [], threading.Lock()
+
+    def load(worker: int) -> None:
+        n = 0
+        while not stop.is_set() and n < 400:  # bounded, whatever happens
+            n += 1
+            handle = engine.submit(GenerationRequest(input_ids=[200 + worker, 300 + n % 50, 7, 8], max_tokens=4,
+                                                     temperature=0, ignore_eos=True))
+            try:
+                result = handle.result(timeout=300)
+                outcome = (handle.replica, len(result.output_ids))
+            except Exception as err:  # recorded; the test fails on it below
+                outcome = (handle.replica, err)
+            with lock:
+                outcomes.append(outcome)
+
+    workers = [threading.Thread(target=load, args=(w,), daemon=True) for w in range(2)]
+    try:
+        for w in workers:
+            w.start()
+        assert main(["scale", "2", "--config", str(path)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["replicas"] == [0, 1] and report["added"] == [1] and report["removed"] == []
+        new = next(n for n in running_replicas(config).values() if n.endswith("-1"))
+        wait_until(lambda: any(replica == new for replica, _ in list(outcomes)), timeout=300,
+                   what="the server's router to send requests to the added replica")
+        assert main(["scale", "1", "--config", str(path)]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["replicas"] == [0] and report["removed"] == [1] and report["still_draining"] == []
+        count = len(outcomes)
+        wait_until(lambda: len(outcomes) >= count + 4, timeout=300, what="requests after the scale-down")
+        stop.set()
+        for w in workers:
+            w.join(300)
+        assert not any(w.is_alive() for w in workers), "a request hangs"
+        failed = [o for o in outcomes if not isinstance(o[1], int) or o[1] != 4]
+        assert not failed, f"{len(failed)} of {len(outcomes)} requests failed across the scaling: {failed[:3]}"
+        assert {replica for replica, _ in outcomes} == {new, next(iter(running_replicas(config).values()))}
+        wait_until(lambda: list(engine.replicas.handles) == list(running_replicas(config).values()), timeout=60,
+                   what="the server's replica set to drop the removed replica")
+    finally:
+        stop.set()
+        engine.replicas.close()
+        _end_namespace(config.ray.namespace)
