@@ -118,13 +118,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
     prepare_ray_env(config.ray.connect_timeout_s)
     import ray
 
-    from pipelines.cluster.actor_specs import INGEST, STORE, actor_roles
+    from pipelines.cluster.actor_specs import GENERATOR, INGEST, STORE, actor_roles
     from pipelines.cluster.connection import connect
+    from pipelines.cluster.scaling import running_replicas
 
     connect(config, args.address)
     timeout = min(30.0, config.ray.call_timeout_s)
     report: dict[str, Any] = {"namespace": config.ray.namespace, "actors": {}}
     roles = actor_roles(config)
+    for index, name in running_replicas(config).items():  # however many `raylens scale` left running
+        roles[GENERATOR if index == 0 else f"{GENERATOR}-{index}"] = name
     for role, name in roles.items():
         try:
             handle = ray.get_actor(name, namespace=config.ray.namespace)

@@ -135,9 +135,11 @@ class RemoteHandle(RequestHandle):
                     except BaseException as again:
                         err = again
                 elif lost:
+                    when = "after tokens were sent" if self._streamed else \
+                        f"before its first token, {self.reruns + 1} times (re-runs are bounded)"
                     err = ReplicaLostError(
                         f"the generator replica running request {self.request_id!r} must stay up until its end, got "
-                        f"it lost after tokens were sent ({type(err).__name__}); retry the request", parameter="replica",
+                        f"it lost {when} ({type(err).__name__}); retry the request", parameter="replica",
                         value=attempt.replica)
                 self.set_exception(err)
                 return
