@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -105,6 +106,7 @@ class EngineMetrics:
     mod_seconds_per_step: HistogramSnapshot
     sae: SAEMetrics | None = None
     ingest: IngestMetrics | None = None
+    engine_id: str = ""  # one per engine object: a new one after a restart (its counters start again)
 
 
 def _snapshot(histogram: Histogram) -> HistogramSnapshot:
@@ -165,6 +167,7 @@ class MetricsRecorder:
         self.e2e = Histogram("e2e", "request latency", buckets=E2E_BUCKETS, registry=None)
         self.mod_per_step = Histogram("mod_step", "mod seconds per step", buckets=MOD_STEP_BUCKETS, registry=None)
         self._rejected_dir = Path(spool_dir) / "rejected" if spool_dir else None
+        self.engine_id = uuid.uuid4().hex
         self._counts = _Counts()
         self._lock = threading.Lock()
 
@@ -216,5 +219,5 @@ class MetricsRecorder:
             mod_seconds_per_step=_snapshot(self.mod_per_step),
             sae=SAEMetrics(int(sae.get("backlog", 0)), int(sae.get("blocks_stored", 0)),
                            int(sae.get("blocks_missing", 0))) if sae is not None else None,
-            ingest=delivery,
+            ingest=delivery, engine_id=self.engine_id,
         )

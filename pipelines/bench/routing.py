@@ -13,8 +13,8 @@ Per run: the prompt tokens found in the prefix cache (summed over replicas, from
 source), their share of all prompt tokens, and TTFT p50/p90 as a client sees it (submission to the
 first token event on the handle, routing included). ``concurrency`` conversations run at once,
 each turn after the last one's answer. Each replica's KV pool is ``pool_tokens``: enough for the
-running conversations and about one system prompt's blocks, so where a system prompt's requests
-land decides what stays cached — as on a GPU whose memory holds one working set.
+running conversations and part of the system prompts' blocks, so where a system prompt's requests
+land decides what stays cached — as on a GPU whose memory holds part of the working set.
 
 Runs on a Ray instance of its own (``ray.init(address="local")``), never a running cluster.
 """
@@ -109,9 +109,13 @@ def _end_namespace(namespace: str) -> None:
                 pass
 
 
-def run_routing_bench(config: Any, *, replicas: int = 2, systems: int = 2, chats_per_system: int = 8,
-                      turns: int = 3, concurrency: int = 2, max_tokens: int = 8, pool_tokens: int = 2048,
+def run_routing_bench(config: Any, *, replicas: int = 2, systems: int = 4, chats_per_system: int = 4,
+                      turns: int = 3, concurrency: int = 2, max_tokens: int = 8, pool_tokens: int = 3072,
                       progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Defaults: 4 system prompts (~650 tokens each) over 2 replicas, whose pools hold the running
+    conversations and about two system prompts' blocks each: half the system prompts per replica
+    fit, all of them do not. Conversations start in the order A B C D A B …, so the ones running
+    at once have different system prompts."""
     import ray
 
     from pipelines.bench.chat_workload import chats, interleaved, system_prompt
@@ -136,7 +140,7 @@ def run_routing_bench(config: Any, *, replicas: int = 2, systems: int = 2, chats
                 ray=dataclasses.replace(base.ray, generators=count, router=policy,
                                         namespace=f"raylens-bench-{uuid.uuid4().hex[:6]}"))
             progress(f"routing bench: {name} ({count} replica(s), {pool} KV tokens each)…")
-            conversations = interleaved(chats(systems, chats_per_system, turns), run=2)
+            conversations = interleaved(chats(systems, chats_per_system, turns), run=1)
             row = _run_policy(run_config, conversations, texts, turns=turns, concurrency=concurrency,
                               max_tokens=max_tokens)
             rows.append({"run": name, "replicas": count, "policy": policy, "kv_pool_tokens": pool, **row})

@@ -160,58 +160,61 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
         if route is not None:
             replicas.finished(route, flight.replica, lost=lost)
 
-    started = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a", encoding="utf-8") as sink:
-        def write(flight: _Flight, outcome: Any) -> None:
-            result = outcome.to_dict() if not isinstance(outcome, dict) else outcome
-            if result.get("finish_reason") == "error":  # a line that ended in error is a failed line
-                tally.failed += 1
-            result["line"] = flight.item.line
-            if result.get("request_id") != flight.given_id:
-                result["given_request_id"] = flight.given_id
-            sink.write(json.dumps(result) + "\n")
-            sink.flush()
-            tally.finished += 1
-            tally.tokens += result.get("metadata", {}).get("generated_tokens", 0)
-            elapsed = time.perf_counter() - started
-            progress(f"[{tally.finished}/{len(lines)}] line {flight.item.line} {result.get('finish_reason')} "
-                     f"{tally.tokens} tokens {tally.tokens / elapsed:.1f} tok/s"
-                     + (f" ({result['error']})" if result.get("finish_reason") == "error" else ""))
+    try:
+        started = time.perf_counter()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a", encoding="utf-8") as sink:
+            def write(flight: _Flight, outcome: Any) -> None:
+                result = outcome.to_dict() if not isinstance(outcome, dict) else outcome
+                if result.get("finish_reason") == "error":  # a line that ended in error is a failed line
+                    tally.failed += 1
+                result["line"] = flight.item.line
+                if result.get("request_id") != flight.given_id:
+                    result["given_request_id"] = flight.given_id
+                sink.write(json.dumps(result) + "\n")
+                sink.flush()
+                tally.finished += 1
+                tally.tokens += result.get("metadata", {}).get("generated_tokens", 0)
+                elapsed = time.perf_counter() - started
+                progress(f"[{tally.finished}/{len(lines)}] line {flight.item.line} {result.get('finish_reason')} "
+                         f"{tally.tokens} tokens {tally.tokens / elapsed:.1f} tok/s"
+                         + (f" ({result['error']})" if result.get("finish_reason") == "error" else ""))
 
-        while todo or inflight:
-            room = config.ray.generator_max_concurrency * max(1, _replicas_up(replicas))
-            while todo and len(inflight) < room:
-                item, gid = todo.pop(0)
-                dispatch(_Flight(item, gid))
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
-            for ref in ready:
-                flight = inflight.pop(ref)
-                rid = flight.item.request.request_id
-                try:
-                    result = ray.get(ref, timeout=timeout)
-                except RayActorError as err:
-                    settle(flight, lost=True)
-                    replicas.died(flight.replica)
-                    retry = _after_generator_death(topo, flight, err, run_id, timeout, progress)
-                    if retry is not None:
-                        tally.ids.append(retry.item.request.request_id)
-                        dispatch(retry)
-                        continue
-                    result = {"request_id": rid, "finish_reason": "error",
-                              "error": f"the generator was lost twice, or did not come back in time: {err}"}
-                except RayTaskError as err:  # this request failed (a bad value, a mod that cannot load): it alone
-                    settle(flight, lost=True)
-                    if isinstance(err.cause, ReplicaDrainingError):  # never started there: another replica runs it
-                        replicas.draining(flight.replica)
-                        dispatch(_Flight(flight.item, flight.given_id, attempt=flight.attempt))
-                        continue
-                    result = {"request_id": rid, "finish_reason": "error", "error": _task_error(err)}
-                else:
-                    settle(flight)
-                write(flight, result)
+            while todo or inflight:
+                room = config.ray.generator_max_concurrency * max(1, _replicas_up(replicas))
+                while todo and len(inflight) < room:
+                    item, gid = todo.pop(0)
+                    dispatch(_Flight(item, gid))
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
+                for ref in ready:
+                    flight = inflight.pop(ref)
+                    rid = flight.item.request.request_id
+                    try:
+                        result = ray.get(ref, timeout=timeout)
+                    except RayActorError as err:
+                        settle(flight, lost=True)
+                        replicas.died(flight.replica)
+                        retry = _after_generator_death(topo, flight, err, run_id, timeout, progress)
+                        if retry is not None:
+                            replicas.rerun()
+                            tally.ids.append(retry.item.request.request_id)
+                            dispatch(retry)
+                            continue
+                        result = {"request_id": rid, "finish_reason": "error",
+                                  "error": f"the generator was lost twice, or did not come back in time: {err}"}
+                    except RayTaskError as err:  # this request failed (a bad value, a mod that cannot load): it alone
+                        settle(flight, lost=True)
+                        if isinstance(err.cause, ReplicaDrainingError):  # never started there: another replica runs it
+                            replicas.draining(flight.replica)
+                            dispatch(_Flight(flight.item, flight.given_id, attempt=flight.attempt))
+                            continue
+                        result = {"request_id": rid, "finish_reason": "error", "error": _task_error(err)}
+                    else:
+                        settle(flight)
+                    write(flight, result)
+    finally:
+        replicas.close()  # its reads stop; the actors keep running
     _order_by_line(out)
-    replicas.close()
     routed = replicas.stats()
     drained = [_settled(g.drain, timeout=timeout * 4) for g in replicas.handles.values()]
     _ingest_settled(topo.ingest, timeout)  # every payload sent or spooled before counting this job's

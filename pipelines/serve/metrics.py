@@ -55,6 +55,8 @@ def plus(a: EngineMetrics, b: EngineMetrics) -> EngineMetrics:
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, HistogramSnapshot):
             fields[f.name] = x.merged(y)
+        elif f.name == "engine_id":
+            fields[f.name] = ""  # a sum of engines is no engine
         elif isinstance(x, Mapping):
             fields[f.name] = {k: x.get(k, 0) + y.get(k, 0) for k in set(x) | set(y)}
         elif x is None or y is None or isinstance(x, (SAEMetrics, IngestMetrics)):  # a part one engine may lack
@@ -72,7 +74,7 @@ def _plus_parts(x: Any, y: Any) -> Any:
 
 class _Totals:
     """Per replica: the last snapshot seen, and what its earlier processes counted (carried into
-    the total after a restart, which the step count going back reveals)."""
+    the total after a restart, which a new ``engine_id`` reveals)."""
 
     def __init__(self) -> None:
         self.last: dict[str, EngineMetrics] = {}
@@ -85,7 +87,7 @@ class _Totals:
                 if snap is None:
                     continue
                 last = self.last.get(label)
-                if last is not None and snap.steps < last.steps:  # a new process: counting from zero again
+                if last is not None and snap.engine_id != last.engine_id:  # a new process: counting from zero
                     carried = self.carried.get(label)
                     self.carried[label] = last if carried is None else plus(carried, last)
                 self.last[label] = snap

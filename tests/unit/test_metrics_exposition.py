@@ -21,14 +21,15 @@ def _hist(bounds, observations) -> HistogramSnapshot:
     return HistogramSnapshot(buckets, counts, float(sum(observations)), len(observations))
 
 
-def _snapshot(*, steps=10, prompt=100, generated=20, running=1, usage=0.5, ttft=(0.2,), sae=True) -> EngineMetrics:
+def _snapshot(*, steps=10, prompt=100, generated=20, running=1, usage=0.5, ttft=(0.2,), sae=True,
+              engine="e0") -> EngineMetrics:
     return EngineMetrics(
         running=running, waiting=2, requests_finished={"stop": 3, "length": 1}, prompt_tokens=prompt,
         generation_tokens=generated, time_to_first_token=_hist(TTFT_BUCKETS, ttft),
         inter_token_latency=_hist(INTER_TOKEN_BUCKETS, (0.03, 0.04)), e2e_request_latency=_hist(E2E_BUCKETS, (1.2,)),
         kv_cache_usage=usage, prefix_cache_queries=prompt, prefix_cache_hits=prompt // 2, steps=steps, mod_calls=7,
         mod_errors=1, mod_seconds=0.01, mod_seconds_per_step=_hist(MOD_STEP_BUCKETS, (0.001,)),
-        sae=SAEMetrics(backlog=2, blocks_stored=5, blocks_missing=1) if sae else None, ingest=None)
+        sae=SAEMetrics(backlog=2, blocks_stored=5, blocks_missing=1) if sae else None, ingest=None, engine_id=engine)
 
 
 class _Source:
@@ -86,7 +87,7 @@ def test_the_total_never_goes_back_when_a_replica_restarts_or_misses_a_scrape():
     from pipelines.serve.metrics import metrics_registry, render
     from prometheus_client.parser import text_string_to_metric_families
 
-    source = _Source({"0": _snapshot(steps=50, prompt=100), "1": _snapshot(steps=50, prompt=40)})
+    source = _Source({"0": _snapshot(steps=50, prompt=100), "1": _snapshot(steps=50, prompt=40, engine="e1")})
     registry = metrics_registry(source, "m")
 
     def total() -> float:
@@ -97,9 +98,10 @@ def test_the_total_never_goes_back_when_a_replica_restarts_or_misses_a_scrape():
     assert total() == 140
     source.snapshots = {"0": _snapshot(steps=60, prompt=110), "1": None}  # replica 1 missed this scrape
     assert total() == 150
-    source.snapshots = {"0": _snapshot(steps=61, prompt=115), "1": _snapshot(steps=3, prompt=7)}  # 1 restarted
+    restarted = {"steps": 300, "engine": "e1-again"}  # a new process (that got busy before the scrape)
+    source.snapshots = {"0": _snapshot(steps=61, prompt=115), "1": _snapshot(prompt=7, **restarted)}
     assert total() == 115 + 40 + 7
-    source.snapshots = {"0": _snapshot(steps=62, prompt=120), "1": _snapshot(steps=4, prompt=9)}
+    source.snapshots = {"0": _snapshot(steps=62, prompt=120), "1": _snapshot(prompt=9, **restarted)}
     assert total() == 120 + 40 + 9
 
 
