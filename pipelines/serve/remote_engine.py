@@ -119,7 +119,7 @@ class RemoteHandle(RequestHandle):
         while True:
             attempt = self._attempt
             try:
-                self._drain(attempt)
+                result = self._drain(attempt)
             except BaseException as err:  # raised to whoever waits for the result
                 err = unwrap(err)
                 lost = is_lost_actor(err)
@@ -137,21 +137,23 @@ class RemoteHandle(RequestHandle):
                 elif lost:
                     when = "after tokens were sent" if self._streamed else \
                         f"before its first token, {self.reruns + 1} times (re-runs are bounded)"
-                    err = ReplicaLostError(
+                    cause, err = err, ReplicaLostError(
                         f"the generator replica running request {self.request_id!r} must stay up until its end, got "
                         f"it lost {when} ({type(err).__name__}); retry the request", parameter="replica",
                         value=attempt.replica)
+                    err.__cause__ = cause
                 self.set_exception(err)
                 return
-            self._ended(attempt, False)
+            self._ended(attempt, False)  # before the caller sees the result: the router's load is current
+            self.set_result(result)
             self.end()
             return
 
-    def _drain(self, attempt: Attempt) -> None:
+    def _drain(self, attempt: Attempt) -> Any:
+        """The attempt's events into the queue; its result."""
         for item in attempt.items:
             if isinstance(item, dict) and self._result_key in item:
-                self.set_result(item[self._result_key])
-                return
+                return item[self._result_key]
             self._streamed = True
             self._events.put(item)
         raise RuntimeError(f"the generator's stream of request {self.request_id!r} ended without a result")

@@ -15,7 +15,6 @@ import dataclasses
 import os
 import signal
 import threading
-import uuid
 
 import pytest
 
