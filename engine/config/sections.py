@@ -265,7 +265,8 @@ class RayConfig:
     ``affinity`` sends it to the replica whose prefix cache holds most of its leading blocks (load
     breaks ties), ``round_robin`` takes turns. A replica with ``router_queue_bound`` requests in
     flight (None: ``generator_max_concurrency``) is skipped while another has room.
-    ``router_refresh_s``: how often the router reads each replica's cache events and load.
+    ``router_refresh_s``: at most how often a router reads each replica's cache events and load
+    (it reads them as it routes).
     ``generator_resource`` names a custom resource each generator replica requires (one unit), so
     replicas land one per node that offers one unit of it; None places them anywhere.
     """

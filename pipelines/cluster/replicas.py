@@ -5,11 +5,16 @@
 * which replicas exist — found by name (every replica of a config is
   ``raylens-generator-<key>-<i>``), so replicas that ``raylens scale`` adds join and removed
   ones leave, whoever created them;
-* what each one's prefix cache holds and how loaded it is — a background thread reads every
-  replica's ``routing_report(cursor)`` each ``ray.router_refresh_s`` (one small call per replica,
-  in the actor's control group, answered even while every request thread streams);
+* what each one's prefix cache holds and how loaded it is — every replica's
+  ``routing_report(cursor)`` is read at most every ``ray.router_refresh_s`` (one small call per
+  replica, in the actor's control group, answered even while every request thread streams);
 * which ones are down — a read or a request that finds the actor dead marks it down; Ray restarts
   it (``max_restarts``), and its first answer brings it back, with an empty cache.
+
+Reads are sent and collected while routing (:meth:`candidates`), reading the router's state
+(:meth:`stats`) and scraping metrics — never by a thread of its own: a thread outliving its
+caller would call Ray after ``ray.shutdown()``, which starts a new local Ray. An answer is applied
+only if it continues from the cursor the router holds, so answers are applied once and in order.
 
 Callers ask :meth:`ReplicaSet.candidates` where a request should go, tell :meth:`routed`,
 :meth:`finished` and :meth:`died`; the router decides (its docstring has the policy).
@@ -51,30 +56,26 @@ class ReplicaSet:
         self.config = config
         self.router = Router(r.router, queue_bound=r.router_queue_bound or r.generator_max_concurrency)
         self._handles: dict[str, Any] = dict(handles or {})
-        self._lock = threading.Lock()
-        self._reads: dict[str, tuple[Any, float]] = {}  # replica -> (its outstanding read, when sent)
+        self._lock = threading.RLock()
+        # replica -> (its outstanding read, when sent, the cursor it asked from)
+        self._reads: dict[str, tuple[Any, float, Any]] = {}
+        self._sent_at: dict[str, float] = {}
         self._discovered_at = float("-inf")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.reruns = 0  # requests re-run elsewhere after their replica died before their first token
         self.router.update_replicas(list(self._handles))
 
     # -------------------------------------------------------------------------------- set
 
     def start(self) -> "ReplicaSet":
-        """Discover the replicas, read each once (bounded by ``ray.call_timeout_s``), then keep
-        reading in the background."""
+        """Discover the replicas and read each once (waiting at most ``ray.call_timeout_s``)."""
         self.discover()
         self.refresh(wait_s=self.config.ray.call_timeout_s)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="raylens-replica-reads", daemon=True)
-            self._thread.start()
         return self
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        """Forget the outstanding reads (nothing runs in the background)."""
+        with self._lock:
+            self._reads.clear()
 
     def discover(self, *, fresh: bool = False) -> None:
         """The config's replicas running now, by name. A replica that is down is looked up again
@@ -122,52 +123,57 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------------------- reads
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.config.ray.router_refresh_s):
-            try:
-                self.refresh(wait_s=self.config.ray.router_refresh_s)
-            except Exception:  # a bad round must not end the reads; the next one tries again
-                log.exception("reading the generator replicas failed")
+    def poll(self) -> None:
+        """Take the answers that arrived and send the reads that are due, without waiting."""
+        try:
+            self.refresh(wait_s=0.0)
+        except Exception:  # a failed round must not fail the request it runs in; the next one tries again
+            log.exception("reading the generator replicas failed")
 
     def refresh(self, *, wait_s: float) -> None:
-        """One round: send a read to every replica without one outstanding, then take the answers
-        that arrive within ``wait_s`` (a restarting replica's read waits for its restart)."""
-        if time.monotonic() - self._discovered_at > DISCOVERY_S:
+        """One round: send a read to every replica without one outstanding whose last read is at
+        least ``ray.router_refresh_s`` old (every one, when ``wait_s`` > 0), then apply the
+        answers that arrive within ``wait_s`` (a restarting replica's read waits for its restart)."""
+        now = time.monotonic()
+        if now - self._discovered_at > DISCOVERY_S:
             self.discover()
+        due = 0.0 if wait_s > 0 else self.config.ray.router_refresh_s
         with self._lock:
             for name, handle in self._handles.items():
-                if name not in self._reads:
+                if name not in self._reads and now - self._sent_at.get(name, float("-inf")) >= due:
                     cursor = self.router.cursor(name)
-                    self._reads[name] = (handle.routing_report.remote(cursor), time.monotonic())
-            reads = dict(self._reads)
-        refs = [ref for ref, _ in reads.values()]
+                    self._reads[name] = (handle.routing_report.remote(cursor), now, cursor)
+                    self._sent_at[name] = now
+            refs = [ref for ref, _, _ in self._reads.values()]
         if not refs:
             return
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
         done = set(ready)
-        for name, (ref, sent_at) in reads.items():
-            if ref not in done:
-                continue
-            try:
-                report = ray.get(ref, timeout=0)
-            except Exception as err:
-                with self._lock:
-                    self._reads.pop(name, None)
-                    if is_lost_actor(err):
-                        self.router.on_replica_actor_died(name)
-                    else:
-                        log.warning("replica %s: its report failed: %s", name, err)
-                continue
-            with self._lock:
-                self._reads.pop(name, None)
-                self.router.on_cache_events(name, report.cache, read_at=sent_at, load=report.load,
-                                            draining=report.draining)
+        with self._lock:  # applied under the lock: once, in order, from the cursor they asked from
+            for name, (ref, sent_at, cursor) in list(self._reads.items()):
+                if ref in done:
+                    del self._reads[name]
+                    self._apply(name, ref, sent_at, cursor)
+
+    def _apply(self, name: str, ref: Any, sent_at: float, cursor: Any) -> None:
+        try:
+            report = ray.get(ref, timeout=0)
+        except Exception as err:
+            if is_lost_actor(err):
+                self.router.on_replica_actor_died(name)
+            else:
+                log.warning("replica %s: its report failed: %s", name, err)
+            return
+        if self.router.cursor(name) == cursor:  # else the view moved on (a death, another read): read again
+            self.router.on_cache_events(name, report.cache, read_at=sent_at, load=report.load,
+                                        draining=report.draining)
 
     # ----------------------------------------------------------------------------- routing
 
     def candidates(self, request: RouteRequest, exclude: Iterable[str] = ()) -> list[tuple[str, Any]]:
         """(name, handle) of the replicas to try for ``request``, best first."""
         skip = set(exclude)
+        self.poll()
         with self._lock:
             ranked = self.router.choose_replicas(None, request)
             return [(group[0], self._handles[group[0]]) for group in ranked
@@ -194,6 +200,7 @@ class ReplicaSet:
             self.reruns += 1
 
     def stats(self) -> RouterStats:
+        self.poll()
         with self._lock:
             return self.router.stats()
 
@@ -202,6 +209,7 @@ class ReplicaSet:
     def metrics(self, timeout: float) -> dict[str, Any]:
         """Each replica's :class:`~engine.engine_metrics.EngineMetrics` by label (None for one that
         did not answer within ``timeout``: it is down or restarting)."""
+        self.poll()
         handles = self.handles
         refs = {name: handle.metrics.remote() for name, handle in handles.items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
