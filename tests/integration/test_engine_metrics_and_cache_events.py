@@ -126,3 +126,17 @@ def test_the_in_process_server_renders_metrics_that_parse_and_match_usage(eng):
     assert after[("vllm:e2e_request_latency_seconds_count", "total")] - \
         before[("vllm:e2e_request_latency_seconds_count", "total")] == 2
     assert 0.0 <= after[("vllm:kv_cache_usage_perc", "0")] <= 1.0
+
+
+def test_metrics_sit_behind_the_api_key_like_every_route_but_health(eng):
+    import httpx
+
+    from pipelines.serve.app import build_app
+    from pipelines.serve.local import serve_in_thread
+    from pipelines.serve.settings import ServeSettings
+
+    key = "metrics-key-0123456789"
+    with serve_in_thread(build_app(eng, ServeSettings(api_key=key, max_new_tokens=8))) as url:
+        assert httpx.get(f"{url}/metrics", timeout=60).status_code == 401
+        scraped = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        assert scraped.status_code == 200 and "vllm:num_requests_running" in scraped.text
