@@ -240,14 +240,14 @@ class RemoteEngine:
         self.replicas.discover(fresh=True)
         self.replicas.refresh(wait_s=self.config.ray.call_timeout_s)
 
-    def _ranked(self, route: RouteRequest, tried: set[str]) -> Iterator[tuple[str, Any]]:
-        """Replicas to try, best first; when none is left, the config's actors are resolved again
-        (a job may have recreated them, or get-or-create does) and their ranking follows."""
+    def _ranked(self, route: RouteRequest, exclude: set[str]) -> Iterator[tuple[str, Any]]:
+        """Replicas to try, best first, but ``exclude``; when none is left, the config's actors are
+        resolved again (restarted ones answer again, a job may have recreated them, or
+        get-or-create does) and their ranking follows, every replica a candidate again."""
         for resolved in (False, True):
             if resolved:
                 self.reconnect()
-            for name, actor in self.replicas.candidates(route, tried):
-                tried.add(name)
+            for name, actor in self.replicas.candidates(route, () if resolved else exclude):
                 yield name, actor
         raise NoReplicaError("a generator replica must be up to take the request, got none (every replica died and "
                              "restarts, or drains); retry in a few seconds", parameter="replica")
@@ -321,8 +321,8 @@ class RemoteEngine:
         return attempt
 
     def _open_any(self, request: GenerationRequest, route: RouteRequest, timeout: float | None,
-                  tried: set[str]) -> tuple[Attempt, EngineRequest]:
-        for name, actor in self._ranked(route, tried):
+                  exclude: set[str]) -> tuple[Attempt, EngineRequest]:
+        for name, actor in self._ranked(route, exclude):
             self.replicas.routed(route, name)
             try:
                 return self._open(name, actor, request, timeout)
