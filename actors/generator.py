@@ -11,36 +11,63 @@ engine's one step loop runs every request in flight as one batch.
 Two ways in, one batch: ``generate(request)`` (Ray Jobs: one whole request per call) and
 ``stream(request)`` (the Serve replica: a Ray streaming generator that hands back each token as
 the step loop commits it, then the result). ``cancel(request_id)`` ends a streamed request whose
-client left; it and the other small calls (``stats``, ``version``) run in their own concurrency
-group, so they answer even while every request thread is busy streaming.
+client left; it and the other small calls (``stats``, ``version``, ``routing_report``,
+``metrics``) run in their own concurrency group, so they answer even while every request thread
+is busy streaming.
+
+As one replica of several (``ray.generators``): ``routing_report(cursor)`` tells a router what
+the engine's prefix cache stored and removed since its last read, and how many requests run here;
+``metrics()`` is the engine's :class:`~engine.engine_metrics.EngineMetrics`; ``start_draining()``
+(``raylens scale`` removing this replica) makes ``generate``/``stream`` refuse new requests with
+:class:`~engine.errors.ReplicaDrainingError`, which routers send elsewhere, while the ones
+running finish.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import ray
 
 from engine import Engine
+from engine.cache_events import CacheCursor, CacheEvents
 from engine.config import RaylensConfig
 from engine.core.inputs import GenerationRequest
 from engine.core.result import GenerationResult
 from engine.core.stream import RequestHandle
+from engine.engine_metrics import EngineMetrics
+from engine.errors import ReplicaDrainingError
 from engine.services.sae_blocks import BlockMeta
 from engine.services.sae_handoff import SAEHandoff
 
 from .sae_handoff import RayWorkerTransport
 from .versioning import code_version
 
-__all__ = ["GeneratorActor", "local_engine_config", "portable_error", "STREAM_STARTED", "STREAM_RESULT"]
+__all__ = ["GeneratorActor", "ReplicaReport", "local_engine_config", "portable_error", "STREAM_STARTED",
+           "STREAM_RESULT"]
 
 STREAM_STARTED = "started"  # the first item ``stream`` yields: {"started": EngineRequest}
 STREAM_RESULT = "result"  # the last: {"result": GenerationResult}; every item between is a stream event
 CONTROL = "control"  # concurrency group of the small calls that must not wait behind streams
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """What a router reads of a replica: its prefix-cache events since the router's cursor, the
+    requests running here (``load``: streams and ``generate`` calls in flight), whether it is
+    draining, and where it runs (its process id and Ray node)."""
+
+    cache: CacheEvents
+    load: int
+    draining: bool
+    pid: int
+    node_id: str
 
 
 def local_engine_config(config: RaylensConfig) -> RaylensConfig:
@@ -109,6 +136,8 @@ class GeneratorActor:
         self.requests = 0
         self.tokens = 0
         self.cancelled = 0
+        self._calls = 0  # generate and stream calls in flight: the load a router reads
+        self._draining = False
 
     def _sae_handoff(self, sae_workers: list[Any]) -> SAEHandoff:
         """The engine's SAE hand-off, its mode chosen from ``sae`` by the engine's factory: nearline,
@@ -181,10 +210,13 @@ class GeneratorActor:
         """One request → its result, :meth:`~engine.core.result.GenerationResult.portable` (the
         events and the payload stay here; the payload goes to the IngestActor)."""
         started = time.perf_counter()
+        self._enter()
         try:
             result: GenerationResult = self.engine.generate(_checked(request))
         except Exception as err:
             raise portable_error(err) from None
+        finally:
+            self._leave()
         return self._record(result, started)
 
     @ray.method(num_returns="streaming")
@@ -198,9 +230,11 @@ class GeneratorActor:
         should :meth:`cancel` the request: Ray does not interrupt a running method of a threaded
         actor."""
         started = time.perf_counter()
+        self._enter()
         try:
             handle = self.engine.submit(_checked(request))
         except Exception as err:
+            self._leave()
             raise portable_error(err) from None
         with self._lock:
             self._streams[handle.request_id] = handle
@@ -218,7 +252,40 @@ class GeneratorActor:
         finally:
             with self._lock:
                 self._streams.pop(handle.request_id, None)
+            self._leave()
         yield {STREAM_RESULT: self._record(result, started)}
+
+    def _enter(self) -> None:
+        """Count a request call in; a draining replica refuses it before it starts."""
+        with self._lock:
+            if self._draining:
+                raise ReplicaDrainingError("this generator replica must not take new requests while it drains "
+                                           "(`raylens scale` is removing it), got one; send it to another replica")
+            self._calls += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._calls -= 1
+
+    @ray.method(concurrency_group=CONTROL)
+    def routing_report(self, cursor: CacheCursor | None = None) -> ReplicaReport:
+        """The engine's cache events since ``cursor`` and this replica's load (a router's read)."""
+        with self._lock:
+            load, draining = self._calls, self._draining
+        return ReplicaReport(self.engine.cache_events(cursor), load, draining, os.getpid(),
+                             ray.get_runtime_context().get_node_id())
+
+    @ray.method(concurrency_group=CONTROL)
+    def metrics(self) -> EngineMetrics:
+        return self.engine.metrics()
+
+    @ray.method(concurrency_group=CONTROL)
+    def start_draining(self) -> int:
+        """Refuse new requests from now on (routers send them elsewhere); the requests in flight
+        here, which the caller waits for (``routing_report().load``) before it ends this replica."""
+        with self._lock:
+            self._draining = True
+            return self._calls
 
     @ray.method(concurrency_group=CONTROL)
     def cancel(self, request_id: str) -> bool:
@@ -267,7 +334,8 @@ class GeneratorActor:
         loop = self.engine.loop.stats
         with self._lock:
             stats: dict[str, Any] = {"requests": self.requests, "tokens": self.tokens, "cancelled": self.cancelled,
-                                     "streaming": len(self._streams)}
+                                     "streaming": len(self._streams), "in_flight": self._calls,
+                                     "draining": self._draining, "pid": os.getpid()}
         stats["batch"] = {"steps": loop.steps, "max_active": loop.max_active, "waits_for_room": loop.waits_for_room,
                           "deferred_announcements": loop.deferred_announcements,
                           "mean_launch_gap_ms": round(loop.mean_launch_gap_ms, 3)}

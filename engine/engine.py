@@ -29,6 +29,8 @@ from engine.core.result import GenerationResult
 from engine.core.machine import RequestMachine
 from engine.core.step_loop import Entry, StepLoop
 from engine.core.stream import RequestHandle, StreamEvent
+from engine.cache_events import CacheCursor, CacheEventLog, CacheEvents
+from engine.engine_metrics import EngineMetrics, MetricsRecorder
 from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
 from engine.model import Backend, create_backend
 from engine.model.capture import CapturePlan, event_plan
@@ -118,6 +120,10 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}  # this engine's requests in flight
         self._jobs: dict[str, JobHandle] = {}  # this engine's jobs in flight (embeddings, scoring, captures)
         self._session = uuid.uuid4().hex[:8]  # suffixes a reused request id (see _unused_request_id)
+        # --- routing and metrics (issue 36): the prefix index's event log, the per-request figures
+        self._metrics = MetricsRecorder(spool_dir=config.ingest.spool_dir if self._ingest is not None else None)
+        self._cache_log = self._attach_cache_log()
+        # ---
         freeze_startup_objects()
 
     def use_sae(self, handoff: SAEHandoff) -> None:
@@ -278,7 +284,7 @@ class Engine:
             if user_prompt else None,
         }, limits=self.config.ingest)
         manager = ModManager(list(loaded), tokenizer=self.tokenizer, call_timeout_s=processed.mod_call_timeout_s)
-        handle = RequestHandle(request_id, request=processed)
+        handle = self._metrics.handle(request_id, processed)  # a RequestHandle that times its tokens
         state = RequestState(
             request=processed, manager=manager, payload=builder,
             generator=make_generator(processed.seed, self.backend.device), plan=plan,
@@ -352,7 +358,9 @@ class Engine:
             state.manager.forced_queues.pop(state.request_id, None)
             state.manager.forced_reason_queues.pop(state.request_id, None)
             elapsed_ms = (time.perf_counter() - state.started_at) * 1000.0
-            return self.output.result(state, elapsed_ms, steers=entry.machine.steer_log)
+            result = self.output.result(state, elapsed_ms, steers=entry.machine.steer_log)
+            self._metrics.finished(entry.handle, result, steps=state.step, mod_stats=state.manager.call_stats)
+            return result
         finally:
             self._release(state.request_id)
 
@@ -367,6 +375,29 @@ class Engine:
     def request_record(self, result: GenerationResult, sampling: SamplingParams | None = None) -> RequestRecord:
         """The requests-table row of a result: readable without the ingest backend."""
         return self.output.request_record(result, sampling)
+
+    # ------------------------------------------------------------- routing and metrics (issue 36)
+
+    def _attach_cache_log(self) -> CacheEventLog:
+        """The scheduler's prefix index reports to one event log (created by the first engine over
+        the loop; engines sharing a backend share its loop and its log)."""
+        kv = self.loop.scheduler.kv
+        if not isinstance(kv.index.listener, CacheEventLog):
+            kv.index.listener = CacheEventLog(kv.block_size)
+        return kv.index.listener
+
+    def cache_events(self, cursor: CacheCursor | None = None) -> CacheEvents:
+        """What the prefix cache stored and removed since ``cursor`` (None: everything cached now),
+        keyed by chained block hashes: a router's view of this engine (engine/cache_events.py)."""
+        return self._cache_log.since(cursor)
+
+    def metrics(self) -> EngineMetrics:
+        """This engine's serving metrics now (engine/engine_metrics.py): queues, tokens, latencies,
+        KV and prefix-cache use, mods, the SAE hand-off and, in process, ingest delivery."""
+        return self._metrics.snapshot(running=self.loop.active, waiting=self.loop.waiting,
+                                      steps=self.loop.stats.steps, cache=self.loop.cache_stats(),
+                                      sae=self.recorder.report() if self.recorder is not None else None,
+                                      ingest=self._ingest is not None)
 
     # ------------------------------------------------------------------- embeddings and capture
 

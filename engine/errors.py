@@ -31,6 +31,9 @@ __all__ = [
     "RequestTimeoutError",
     "JobCancelledError",
     "EngineClosedError",
+    "ReplicaDrainingError",
+    "ReplicaLostError",
+    "NoReplicaError",
     "check_request_token_ids",
 ]
 
@@ -165,3 +168,25 @@ class JobCancelledError(RaylensError):
 class EngineClosedError(RaylensError):
     """The engine was closed (or its step loop stopped) before the request finished. Unrecoverable
     for this engine: create a new one."""
+
+
+class ReplicaDrainingError(RaylensError):
+    """A generator replica that is being removed (``raylens scale``) takes no new request; the
+    request never started there. Recoverable: the router sends it to another replica."""
+
+    recoverable = True
+
+
+class ReplicaLostError(RaylensError):
+    """The generator replica running a request died after the request had sent tokens, so it
+    cannot be re-run unseen; the stream ends with this error. Recoverable: retry the request
+    (the replica restarts, and the others keep serving)."""
+
+    recoverable = True
+
+
+class NoReplicaError(RaylensError):
+    """No generator replica is up to take a request (all died and are restarting, or draining).
+    Recoverable: retry in a few seconds."""
+
+    recoverable = True

@@ -48,8 +48,8 @@ from .conversation import pop_request_context, push_request_context
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
-__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "CallRunner", "dispatch_batch",
-           "abandoned_mod_threads", "mod_name"]
+__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "CallRunner",
+           "dispatch_batch", "abandoned_mod_threads", "mod_name"]
 
 log = logging.getLogger("raylens.mods")
 
@@ -101,6 +101,21 @@ class ModCall:
     def noteworthy(self) -> bool:
         """Worth a ``mod_calls`` row in the payload: it acted, printed, or failed."""
         return not isinstance(self.action, Noop) or bool(self.logs) or self.exception is not None
+
+
+@dataclass
+class ModCallStats:
+    """Every call one manager made: how many, how many raised or timed out, and their seconds
+    (what the engine's mod metrics add up)."""
+
+    calls: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+    def record(self, call: ModCall) -> None:
+        self.calls += 1
+        self.errors += call.exception is not None
+        self.seconds += call.elapsed_ms / 1000.0
 
 
 def mod_name(mod: Callable[..., Any]) -> str:
@@ -296,6 +311,7 @@ class ModManager:
         self._lock = threading.Lock()
         self._runner: CallRunner | None = None
         self._finalizer: weakref.finalize | None = None
+        self.call_stats = ModCallStats()
 
     @property
     def call_timeout_s(self) -> float | None:
@@ -344,8 +360,12 @@ class ModManager:
         return out
 
     def records(self, pendings: Sequence[_Pending]) -> list[ModCall]:
-        """What each call did (calls skipped after a fatal one are left out)."""
-        return [self._record(p) for p in pendings if not p.skipped]
+        """What each call did (calls skipped after a fatal one are left out); counted in
+        :attr:`call_stats`."""
+        calls = [self._record(p) for p in pendings if not p.skipped]
+        for call in calls:
+            self.call_stats.record(call)
+        return calls
 
     def _record(self, pending: _Pending) -> ModCall:
         name = pending.name

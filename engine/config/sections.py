@@ -300,6 +300,15 @@ class RayConfig:
     ``generators`` GeneratorActor replicas (one per GPU or node) share a job's requests, each
     running ``generator_max_concurrency`` at a time. ``connect_timeout_s`` bounds reaching the
     cluster or its dashboard, so a wrong address is one line at once, not minutes of retries.
+
+    Replicas (``pipelines/cluster/router.py``): ``router`` picks where each request runs —
+    ``affinity`` sends it to the replica whose prefix cache holds most of its leading blocks (load
+    breaks ties), ``round_robin`` takes turns. A replica with ``router_queue_bound`` requests in
+    flight (None: ``generator_max_concurrency``) is skipped while another has room.
+    ``router_refresh_s``: at most how often a router reads each replica's cache events and load
+    (it reads them as it routes).
+    ``generator_resource`` names a custom resource each generator replica requires (one unit), so
+    replicas land one per node that offers one unit of it; None places them anywhere.
     """
 
     namespace: str = "raylens"
@@ -309,6 +318,10 @@ class RayConfig:
     generator_num_gpus: float = 0.0
     generator_max_concurrency: int = 4
     generators: int = 1
+    generator_resource: str | None = None
+    router: Literal["affinity", "round_robin"] = "affinity"
+    router_queue_bound: int | None = None
+    router_refresh_s: float = 0.1
     sae_workers: int = 2
     sae_worker_num_cpus: float = 1.0
     sae_worker_num_gpus: float = 0.0
@@ -325,6 +338,11 @@ class RayConfig:
     def __post_init__(self) -> None:
         require_fields(self, "ray.", [("sae_workers", self.sae_workers >= 1, ">= 1"),
                                 ("generators", self.generators >= 1, ">= 1"),
+                                ("router", self.router in ("affinity", "round_robin"), "affinity or round_robin"),
+                                ("router_queue_bound", self.router_queue_bound is None or (
+                                    is_int(self.router_queue_bound) and self.router_queue_bound >= 1), ">= 1 or null"),
+                                ("router_refresh_s", is_real(self.router_refresh_s) and math.isfinite(
+                                    self.router_refresh_s) and self.router_refresh_s > 0, "a finite number > 0"),
                                 ("connect_timeout_s", self.connect_timeout_s > 0, "> 0"),
                                 ("max_inflight_blocks", self.max_inflight_blocks >= 1, ">= 1"),
                                 ("generator_max_concurrency", self.generator_max_concurrency >= 1, ">= 1"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -70,6 +70,9 @@ class PrefixIndex:
         self._by_key: dict[bytes, CachedBlock] = {}
         self._key_of: dict[int, bytes] = {}
         self.rows_bytes = 0  # captured rows every indexed block keeps, kept as entries come and go
+        # told of every key indexed and forgotten (``stored(key)``/``removed(key)``): the engine's
+        # cache-event log, which routers follow (engine/cache_events.py)
+        self.listener: Any = None
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -84,12 +87,16 @@ class PrefixIndex:
         self._by_key[key] = CachedBlock(key, block, rows)
         self._key_of[block] = key
         self.rows_bytes += rows.nbytes()
+        if self.listener is not None:
+            self.listener.stored(key)
         return True
 
     def evict(self, block: int) -> None:
         key = self._key_of.pop(block, None)
         if key is not None:
             self.rows_bytes -= self._by_key.pop(key).rows.nbytes()
+            if self.listener is not None:
+                self.listener.removed(key)
 
     def lookup(self, tokens: Sequence[int], block_size: int, max_blocks: int, plan: CapturePlan) -> list[CachedBlock]:
         """The longest run of cached blocks (at most ``max_blocks``) starting at position 0 whose

@@ -213,6 +213,11 @@ class StepLoop:
         return self.call(run, timeout)
 
     @property
+    def waiting(self) -> int:
+        """Requests queued and not yet admitted (the metrics' ``num_requests_waiting``)."""
+        return len(self.scheduler.waiting)
+
+    @property
     def jobs_waiting(self) -> int:
         """Scheduled jobs not finished yet."""
         return len(self._jobs)

@@ -11,7 +11,7 @@ shapes:
   view transformers' attention (SDPA) expects; a boolean causal mask hides what lies past each
   row's own position (stale entries after a Backtrack, padding);
 * Backtrack is moving the request's position back; blocks wholly past the new end go back to the
-  pool (:mod:`engine.model.kv_blocks`), the rest are overwritten as the request feeds again;
+  pool (:mod:`engine.core.kv_manager`), the rest are overwritten as the request feeds again;
 * requests of different lengths share one batched forward: each row has its own table.
 
 Block 0 is the scratch block no request owns: left-padding columns, the padding rows of a static

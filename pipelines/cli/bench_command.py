@@ -58,6 +58,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--guidellm", action="store_true",
                    help="instead: guidellm (PyPI) streaming chat at 8 concurrent clients against a loopback "
                         "`raylens serve`, beside the same requests in-process (tokens/s ratio, TTFT p50/p95)")
+    p.add_argument("--routing", action="store_true",
+                   help="instead: replicas behind the router — prefix-hit tokens and TTFT p50/p90 for affinity vs "
+                        "round-robin (and one replica with their KV memory) over chats sharing system prompts, "
+                        "several turns each, on a Ray instance of its own (--concurrency N: chats at a time)")
     p.set_defaults(func=run_cli)
 
 
@@ -78,6 +82,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return _decode_modes_cli(args, progress)
     if getattr(args, "long_prompt", None):  # its own engines, one per prefill mode
         return _long_prompt_cli(args, progress)
+    if getattr(args, "routing", False):  # its own Ray instance and actors
+        return _routing_cli(args, progress)
     if getattr(args, "prefix", False):  # its own engine
         from pipelines.bench.prefix_cache import format_prefix, run_prefix_bench
 
@@ -215,6 +221,17 @@ def _write_report(out: str | None, report: dict[str, Any]) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2), encoding="utf-8")
         print(f"wrote {out}", file=sys.stderr)
+
+
+def _routing_cli(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    from engine.config import load_config
+    from pipelines.bench.routing import format_routing, run_routing_bench
+
+    concurrency = sorted(set(args.concurrency or [2]))
+    report = {"routing": run_routing_bench(load_config(args.config), concurrency=concurrency[-1], progress=progress)}
+    print(format_routing(report["routing"]))
+    _write_report(args.out, report)
+    return 0
 
 
 def _long_prompt_cli(args: argparse.Namespace, progress: Callable[[str], None]) -> int:

@@ -1,4 +1,4 @@
-"""``raylens submit``, ``raylens status``, ``raylens stop`` and ``raylens ingest-server``.
+"""``raylens submit``, ``raylens status``, ``raylens stop``, ``raylens scale`` and ``raylens ingest-server``.
 
 ``submit`` runs a prompts file as a Ray Job whose entrypoint holds no user value: the arguments
 travel in the job's environment, since Ray runs entrypoints through a shell. ``submit``,
@@ -131,13 +131,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
     prepare_ray_env(config.ray.connect_timeout_s, args.address or config.ray.address)
     import ray
 
-    from pipelines.cluster.actor_specs import INGEST, STORE, actor_roles
+    from pipelines.cluster.actor_specs import GENERATOR, INGEST, STORE, actor_roles
     from pipelines.cluster.connection import connect
+    from pipelines.cluster.scaling import running_replicas
 
     connect(config, args.address)
     timeout = min(30.0, config.ray.call_timeout_s)
     report: dict[str, Any] = {"namespace": config.ray.namespace, "actors": {}}
     roles = actor_roles(config)
+    for index, name in running_replicas(config).items():  # however many `raylens scale` left running
+        roles[GENERATOR if index == 0 else f"{GENERATOR}-{index}"] = name
     for role, name in roles.items():
         try:
             handle = ray.get_actor(name, namespace=config.ray.namespace)
@@ -166,18 +169,40 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     prepare_ray_env(config.ray.connect_timeout_s, args.address or config.ray.address)
     import ray
 
-    from pipelines.cluster.actor_specs import actor_names
+    from pipelines.cluster.actor_specs import actor_names, generator_prefix
     from pipelines.cluster.connection import connect
 
     connect(config, args.address)
     running = set(_raylens_actors(config.ray.namespace))
-    names = sorted(running) if args.all else [n for n in actor_names(config) if n in running]
+    # the config's generator replicas, however many `raylens scale` left running
+    ours = set(actor_names(config)) | {n for n in running if n.startswith(generator_prefix(config))}
+    names = sorted(running) if args.all else sorted(n for n in ours if n in running)
     for name in names:
         try:
             ray.kill(ray.get_actor(name, namespace=config.ray.namespace), no_restart=True)
         except ValueError:
             pass  # ended meanwhile
     print(json.dumps({"namespace": config.ray.namespace, "stopped": names}))
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    """Add or remove generator replicas of the config's running set; removed ones drain first."""
+    from engine.config import load_config
+
+    config = load_config(args.config)
+    prepare_ray_env(config.ray.connect_timeout_s)
+    from pipelines.cluster.connection import connect
+    from pipelines.cluster.scaling import scale
+
+    connect(config, args.address)
+    report = scale(config, args.replicas, progress=lambda line: print(f"raylens: {line}", file=sys.stderr, flush=True))
+    print(json.dumps({"namespace": config.ray.namespace, **report}))
+    if report["still_draining"]:
+        print(f"raylens: replica(s) {report['still_draining']} still run requests after {config.ray.call_timeout_s:g} s "
+              "(ray.call_timeout_s); they take no new ones. Run `raylens scale` again to end them once idle",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -217,6 +242,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", help="Ray address (default: ray.address)")
     p.add_argument("--all", action="store_true", help="every raylens actor in the namespace, whatever its config")
     p.set_defaults(func=_cmd_stop)
+
+    p = sub.add_parser("scale", help="run N generator replicas of the config (removed ones finish their requests "
+                                     "first)")
+    p.add_argument("replicas", type=int, help="how many generator replicas should run")
+    p.add_argument("--config")
+    p.add_argument("--address", help="Ray address (default: ray.address)")
+    p.set_defaults(func=_cmd_scale)
 
     p = sub.add_parser("ingest-server", help="a local ingest backend (validates, keeps payloads in DuckDB)")
     p.add_argument("--db", default="./artifacts/ingest/ingest.duckdb")

@@ -5,8 +5,11 @@ StoreActor (DuckDB allows one writer), one IngestActor, the SAE workers and the 
 name carries a key of the config parts the actor holds (:func:`actor_keys`): a job with another
 store, ingest, SAE or resources never runs on actors built for another config; it gets its own.
 
-Scale-out: ``ray.generators`` replicas of the GeneratorActor (one per GPU or node), which a job
-spreads its requests over.
+Scale-out: ``ray.generators`` replicas of the GeneratorActor (one per GPU or node), which jobs
+and the server spread their requests over (``pipelines/cluster/router.py``); ``raylens scale N``
+changes the count of a running set (``pipelines/cluster/scaling.py``). Replica ``i`` is named
+``raylens-generator-<key>-<i>``: every replica of a config shares the key, so a router finds the
+replicas that run now by name (:func:`generator_prefix`).
 
 Placement: SAE workers ask for ``ray.sae_worker_resource`` when it is set (e.g. ``sae_gpu``,
 offered only by the second box of ray_cluster.yaml); the generator asks for
@@ -32,6 +35,7 @@ from engine.services.sae_mode import handoff_mode
 from engine.errors import ClusterCapacityError
 
 __all__ = ["ActorSpec", "actor_specs", "actor_keys", "actor_roles", "actor_names", "generator_name",
+           "generator_prefix", "replica_index",
            "runs_sae_workers", "check_capacity", "STORE", "INGEST", "GENERATOR", "SAE_WORKER", "RAYLENS_PREFIX"]
 
 STORE = "raylens-store"
@@ -80,7 +84,7 @@ def actor_keys(config: RaylensConfig) -> dict[str, str]:
 
 
 _NOT_SHAPING = frozenset({"namespace", "address", "dashboard_url", "actor_start_timeout_s", "connect_timeout_s",
-                          "generators"})
+                          "generators", "router", "router_queue_bound", "router_refresh_s"})
 
 
 def runs_sae_workers(config: RaylensConfig) -> bool:
@@ -104,7 +108,19 @@ def actor_roles(config: RaylensConfig) -> dict[str, str]:
 
 
 def generator_name(config: RaylensConfig, replica: int = 0) -> str:
-    return f"{GENERATOR}-{actor_keys(config)[GENERATOR]}-{replica}"
+    return f"{generator_prefix(config)}{replica}"
+
+
+def generator_prefix(config: RaylensConfig) -> str:
+    """What the names of every generator replica of ``config`` start with (then the index)."""
+    return f"{GENERATOR}-{actor_keys(config)[GENERATOR]}-"
+
+
+def replica_index(config: RaylensConfig, name: str) -> int | None:
+    """The replica index in a generator actor's name, or None when ``name`` is not one of ``config``'s."""
+    prefix = generator_prefix(config)
+    tail = name[len(prefix):] if name.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() else None
 
 
 def actor_names(config: RaylensConfig) -> list[str]:
@@ -144,7 +160,7 @@ def actor_specs(config: RaylensConfig) -> list[ActorSpec]:
     if runs_sae_workers(config):
         specs += [spec(f"{SAE_WORKER}-{i}", "sae_worker", r.sae_worker_num_cpus, r.sae_worker_num_gpus,
                        r.sae_worker_resource) for i in range(r.sae_workers)]
-    specs += [spec(role, "generator", r.generator_num_cpus, r.generator_num_gpus)
+    specs += [spec(role, "generator", r.generator_num_cpus, r.generator_num_gpus, r.generator_resource)
               for role in roles if role == GENERATOR or role.startswith(f"{GENERATOR}-")]
     return specs
 

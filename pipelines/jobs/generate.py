@@ -10,14 +10,17 @@ runs in a throwaway copy of ``--working-dir``, so pass ``--workdir $PWD`` to kee
 store where you are. ``raylens submit`` passes its arguments in the job's environment
 (``--args-from-env``), so no value is ever read by a shell.
 
-Requests are spread over the ``ray.generators`` GeneratorActor replicas, up to
-``ray.generator_max_concurrency`` in flight on each; each result line is written as it finishes
+Requests go to the config's GeneratorActor replicas (``ray.generators``, or as many as
+``raylens scale`` left running) where the replica router puts them (``ray.router``: by default the
+replica whose prefix cache holds most of the prompt's leading blocks; :mod:`pipelines.cluster.router`),
+up to ``ray.generator_max_concurrency`` in flight per replica; each result line is written as it finishes
 (with its input ``line``), so a re-run with the same ``--out`` skips lines already done; when the
 job's lines are done the file is put back in input order. A line
 that fails at run time (the engine refuses it, its mod does not load) is written with
 ``finish_reason: "error"`` and an ``error``, and the job goes on. If a generator dies, the
 request's unstored SAE blocks are recorded as missing, and the request runs once more under a new
-id (``<id>-retry1``).
+id (``<id>-retry1``), on another replica when one is up (else on the restarted one). A replica that
+is draining (``raylens scale`` removing it) refuses the request, which goes to another.
 
 Request ids: before running, the job claims its ids in the store. An id that an earlier run used
 (a resume after a cancel, a repeated id) runs as ``<id>~<run id>``, because stored SAE rows and
@@ -88,28 +91,6 @@ def _settled(method: Any, *args: Any, timeout: float, attempts: int = 8) -> Any:
             time.sleep(min(10.0, 0.5 * 2**attempt))
 
 
-def _wait_for_restart(generator: Any, bound: float, progress: Any) -> bool:
-    """Until the restarted generator answers (``max_restarts`` brings it back, and it reloads its
-    model first: on a GPU that takes minutes), at most ``bound`` seconds; False when it did not."""
-    import ray
-    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-
-    deadline = time.monotonic() + bound
-    told = False
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            ray.get(generator.stats.remote(), timeout=min(left, 30.0))
-            return True
-        except (ActorUnavailableError, GetTimeoutError):
-            if not told:
-                progress(f"waiting up to {bound:g} s for the restarted generator to load its model…")
-                told = True
-        except RayActorError:  # dead for good: no restart will come
-            return False
-        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-    return False
-
-
 def _task_error(err: Exception) -> str:
     """The cause of a failed ``generate`` call, in one line (not Ray's wrapped traceback)."""
     cause = getattr(err, "cause", None) or err
@@ -119,11 +100,12 @@ def _task_error(err: Exception) -> str:
 
 @dataclass
 class _Flight:
-    """One request on its way: which line, under which ids, on which replica, which attempt."""
+    """One request on its way: which line, under which ids, on which replica (its actor name),
+    which attempt."""
 
     item: PromptLine
     given_id: str
-    replica: int
+    replica: str = ""
     attempt: int = 0
 
 
@@ -141,9 +123,15 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
     from ray.exceptions import RayActorError, RayTaskError
 
     from engine.config import REQUEST_ID_MAX_CHARS
+    from engine.errors import ReplicaDrainingError
+    from pipelines.cluster.prompt_keys import prompt_keys_for
+    from pipelines.cluster.replicas import ReplicaSet
+    from pipelines.cluster.router import RouteRequest
     from pipelines.cluster.topology import build_topology
 
     topo = build_topology(config)
+    replicas = ReplicaSet(config).start()
+    keys = prompt_keys_for(config, topo.generator)
     timeout = config.ray.call_timeout_s
     run_id = uuid.uuid4().hex[:8]
     given = [line.request.request_id for line in lines]
@@ -152,56 +140,83 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
     todo = [(PromptLine(line.line, line.request.replace(request_id=rid)), gid)
             for line, rid, gid in zip(lines, claimed, given)]
     tally = _Tally(ids=list(claimed))
-    load = [0] * len(topo.generators)
     inflight: dict[Any, _Flight] = {}
+    routes: dict[str, RouteRequest] = {}  # request id -> what the router was told of it
 
     def dispatch(flight: _Flight) -> None:
-        inflight[topo.generators[flight.replica].generate.remote(flight.item.request)] = flight
-        load[flight.replica] += 1
+        request = flight.item.request
+        route = routes.setdefault(request.request_id, RouteRequest(request.request_id,
+                                                                   keys(request) if keys is not None else ()))
+        candidates = replicas.candidates(route)
+        if not candidates:  # every replica down: wait (bounded) for one to come back
+            candidates = _await_a_replica(replicas, route, config.ray.actor_start_timeout_s, progress)
+        name, actor = candidates[0]
+        flight.replica = name
+        replicas.routed(route, name)
+        inflight[actor.generate.remote(request)] = flight
 
-    started = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a", encoding="utf-8") as sink:
-        def write(flight: _Flight, outcome: Any) -> None:
-            result = outcome.to_dict() if not isinstance(outcome, dict) else outcome
-            if result.get("finish_reason") == "error":  # a line that ended in error is a failed line
-                tally.failed += 1
-            result["line"] = flight.item.line
-            if result.get("request_id") != flight.given_id:
-                result["given_request_id"] = flight.given_id
-            sink.write(json.dumps(result) + "\n")
-            sink.flush()
-            tally.finished += 1
-            tally.tokens += result.get("metadata", {}).get("generated_tokens", 0)
-            elapsed = time.perf_counter() - started
-            progress(f"[{tally.finished}/{len(lines)}] line {flight.item.line} {result.get('finish_reason')} "
-                     f"{tally.tokens} tokens {tally.tokens / elapsed:.1f} tok/s"
-                     + (f" ({result['error']})" if result.get("finish_reason") == "error" else ""))
+    def settle(flight: _Flight, lost: bool = False) -> None:
+        route = routes.pop(flight.item.request.request_id, None)
+        if route is not None:
+            replicas.finished(route, flight.replica, lost=lost)
 
-        while todo or inflight:
-            while todo and min(load) < config.ray.generator_max_concurrency:
-                item, gid = todo.pop(0)
-                dispatch(_Flight(item, gid, load.index(min(load))))
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
-            for ref in ready:
-                flight = inflight.pop(ref)
-                load[flight.replica] -= 1
-                rid = flight.item.request.request_id
-                try:
-                    result = ray.get(ref, timeout=timeout)
-                except RayActorError as err:
-                    retry = _after_generator_death(topo, flight, err, run_id, timeout, progress)
-                    if retry is not None:
-                        tally.ids.append(retry.item.request.request_id)
-                        dispatch(retry)
-                        continue
-                    result = {"request_id": rid, "finish_reason": "error",
-                              "error": f"the generator was lost twice, or did not come back in time: {err}"}
-                except RayTaskError as err:  # this request failed (a bad value, a mod that cannot load): it alone
-                    result = {"request_id": rid, "finish_reason": "error", "error": _task_error(err)}
-                write(flight, result)
+    try:
+        started = time.perf_counter()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a", encoding="utf-8") as sink:
+            def write(flight: _Flight, outcome: Any) -> None:
+                result = outcome.to_dict() if not isinstance(outcome, dict) else outcome
+                if result.get("finish_reason") == "error":  # a line that ended in error is a failed line
+                    tally.failed += 1
+                result["line"] = flight.item.line
+                if result.get("request_id") != flight.given_id:
+                    result["given_request_id"] = flight.given_id
+                sink.write(json.dumps(result) + "\n")
+                sink.flush()
+                tally.finished += 1
+                tally.tokens += result.get("metadata", {}).get("generated_tokens", 0)
+                elapsed = time.perf_counter() - started
+                progress(f"[{tally.finished}/{len(lines)}] line {flight.item.line} {result.get('finish_reason')} "
+                         f"{tally.tokens} tokens {tally.tokens / elapsed:.1f} tok/s"
+                         + (f" ({result['error']})" if result.get("finish_reason") == "error" else ""))
+
+            while todo or inflight:
+                room = config.ray.generator_max_concurrency * max(1, _replicas_up(replicas))
+                while todo and len(inflight) < room:
+                    item, gid = todo.pop(0)
+                    dispatch(_Flight(item, gid))
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
+                for ref in ready:
+                    flight = inflight.pop(ref)
+                    rid = flight.item.request.request_id
+                    try:
+                        result = ray.get(ref, timeout=timeout)
+                    except RayActorError as err:
+                        settle(flight, lost=True)
+                        replicas.died(flight.replica)
+                        retry = _after_generator_death(topo, flight, err, run_id, timeout, progress)
+                        if retry is not None:
+                            replicas.rerun()
+                            tally.ids.append(retry.item.request.request_id)
+                            dispatch(retry)
+                            continue
+                        result = {"request_id": rid, "finish_reason": "error",
+                                  "error": f"the generator was lost twice, or did not come back in time: {err}"}
+                    except RayTaskError as err:  # this request failed (a bad value, a mod that cannot load): it alone
+                        settle(flight, lost=True)
+                        if isinstance(err.cause, ReplicaDrainingError):  # never started there: another replica runs it
+                            replicas.draining(flight.replica)
+                            dispatch(_Flight(flight.item, flight.given_id, attempt=flight.attempt))
+                            continue
+                        result = {"request_id": rid, "finish_reason": "error", "error": _task_error(err)}
+                    else:
+                        settle(flight)
+                    write(flight, result)
+    finally:
+        replicas.close()  # its reads stop; the actors keep running
     _order_by_line(out)
-    drained = [_settled(g.drain, timeout=timeout * 4) for g in topo.generators]
+    routed = replicas.stats()
+    drained = [_settled(g.drain, timeout=timeout * 4) for g in replicas.handles.values()]
     _ingest_settled(topo.ingest, timeout)  # every payload sent or spooled before counting this job's
     counts = _settled(topo.store.request_counts, tally.ids, timeout=timeout) if tally.ids else {}
     ingest = _settled(topo.ingest.outcomes, tally.ids, timeout=timeout) if tally.ids else {}
@@ -218,6 +233,11 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
         "ingest_spooled": ingest.get("spooled", 0),
         "run_id": run_id,
         "generators": drained,
+        "router": {"policy": routed.policy, "reruns": replicas.reruns,
+                   "decisions": [{"replica": replicas.label(name), "reason": reason, "requests": n}
+                                 for (name, reason), n in sorted(routed.decisions.items())],
+                   "cached_blocks": {replicas.label(name): status.cached_blocks  # as the router last read them
+                                     for name, status in sorted(routed.replicas.items())}},
     }
 
 
@@ -264,15 +284,31 @@ def _after_generator_death(topo: Any, flight: _Flight, err: Exception, run_id: s
              + ("; running it again" if flight.attempt == 0 else "; giving up"))
     if flight.attempt > 0:
         return None
-    bound = topo.config.ray.actor_start_timeout_s
-    if not _wait_for_restart(topo.generators[flight.replica], bound, progress):
-        progress(f"line {flight.item.line}: the generator did not come back within {bound:g} s "
-                 "(ray.actor_start_timeout_s); giving up on this line")
-        return None
     [retry_id] = _settled(topo.store.claim_request_ids, [f"{rid}-retry1"], run_id, REQUEST_ID_MAX_CHARS,
                           timeout=timeout)
     item = PromptLine(flight.item.line, flight.item.request.replace(request_id=retry_id))
-    return _Flight(item, flight.given_id, flight.replica, attempt=1)
+    return _Flight(item, flight.given_id, attempt=1)
+
+
+def _replicas_up(replicas: Any) -> int:
+    return sum(1 for status in replicas.stats().replicas.values() if status.up and not status.draining)
+
+
+def _await_a_replica(replicas: Any, route: Any, bound: float, progress: Any) -> list[tuple[str, Any]]:
+    """Until a replica is up again (``max_restarts`` brings a dead one back, and it reloads its
+    model first: on a GPU that takes minutes), at most ``bound`` seconds."""
+    from engine.errors import NoReplicaError
+
+    progress(f"no generator replica is up; waiting up to {bound:g} s for one to come back…")
+    deadline = time.monotonic() + bound
+    while (left := deadline - time.monotonic()) > 0:
+        replicas.refresh(wait_s=min(left, 5.0))
+        candidates = replicas.candidates(route)
+        if candidates:
+            return candidates
+    raise NoReplicaError(f"a generator replica must come back within {bound:g} s (ray.actor_start_timeout_s), got "
+                         "none; see `ray status` and the actors' logs", parameter="ray.actor_start_timeout_s",
+                         value=bound)
 
 
 def _job_argv(argv: Sequence[str] | None) -> list[str]:

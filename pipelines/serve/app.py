@@ -26,11 +26,12 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from . import attention_api, features_api, openai_api
 from .errors import ApiError, ErrorCode, api_error_from, validation_error
+from .metrics import CONTENT_TYPE_LATEST, metrics_registry, render
 from .service import Service
 from .settings import ServeSettings, raylens_version
 
@@ -61,6 +62,14 @@ def build_app(engine: Any, settings: ServeSettings | None = None, *, store: Any 
     def health() -> dict[str, Any]:
         """What OpenAI-compatible servers answer and clients (guidellm) check before starting."""
         return {"ok": True, "model": app.state.service.model_id}
+
+    registry = metrics_registry(engine, app.state.service.model_id)
+
+    @app.get("/metrics", tags=["health"])
+    def metrics() -> Response:
+        """Prometheus metrics of every generator replica and in total (vLLM's names; see
+        :mod:`pipelines.serve.metrics`)."""
+        return Response(render(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version", tags=["health"])
     def version() -> dict[str, Any]:

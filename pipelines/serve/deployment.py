@@ -1,4 +1,6 @@
-"""``raylens serve`` on Ray Serve: one FastAPI-ingress replica in front of the shared GeneratorActor.
+"""``raylens serve`` on Ray Serve: one FastAPI-ingress replica in front of the shared GeneratorActor
+replicas (``ray.generators``; each request goes where the replica router puts it, see
+:mod:`pipelines.cluster.router`).
 
 The replica holds no model. It gets the config's actors through :func:`pipelines.cluster.topology.build_topology`
 (named by a key of the config, get-or-create), so ``raylens serve`` and Ray Jobs run with the same

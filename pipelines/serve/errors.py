@@ -115,6 +115,9 @@ def api_error_from(err: BaseException) -> ApiError:
         return ApiError(ErrorCode.UNAVAILABLE, "the generator actor serving this request was lost (it died or its "
                                                "node left); the server resolves it again: retry in a few seconds.",
                         None, {"retry_after_s": RETRY_AFTER_S})
+    if isinstance(err, (engine_errors.ReplicaLostError, engine_errors.NoReplicaError,
+                        engine_errors.ReplicaDrainingError)):  # replicas: retry once one is up
+        return ApiError(ErrorCode.UNAVAILABLE, str(err), None, {"retry_after_s": RETRY_AFTER_S})
     queue_full = getattr(engine_errors, "QueueFullError", None)
     if queue_full is not None and isinstance(err, queue_full):
         return ApiError(ErrorCode.QUEUE_FULL, f"{err} Retry after a moment.", parameter)

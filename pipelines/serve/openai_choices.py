@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from engine.config import choice_seed
 from engine.core.inputs import GenerationRequest
+from pipelines.cluster.prompt_keys import same_replica
 
 from .bridge import Stream, open_stream
 from .openai_text import ChoiceText
@@ -68,11 +69,12 @@ async def open_choices(service: Service, requests: Sequence[GenerationRequest],
     error before anything is answered, and cancels the choices already accepted."""
     choices: list[Choice] = []
     try:
-        for i, request in enumerate(requests):
-            stream = await open_stream(service.engine, request, timeout_s=service.settings.request_timeout_s)
-            text = new_text()
-            text.stop_ids = stream.handle.request.stop_ids
-            choices.append(Choice(first_index + i, stream, text))
+        with same_replica():  # the n choices run on one replica, as rows of one batch
+            for i, request in enumerate(requests):
+                stream = await open_stream(service.engine, request, timeout_s=service.settings.request_timeout_s)
+                text = new_text()
+                text.stop_ids = stream.handle.request.stop_ids
+                choices.append(Choice(first_index + i, stream, text))
     except BaseException:
         for choice in choices:
             choice.stream.cancel()

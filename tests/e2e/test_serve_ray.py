@@ -282,7 +282,8 @@ def test_a_generator_that_encodes_inline_streams_each_tokens_sae_features_and_st
 
 
 def test_a_lost_generator_fails_its_running_request_with_503_and_the_next_request_succeeds(ray_head, tmp_path):
-    """The generator is killed for good mid-request (no restart): that request ends with a
+    """The generator is killed for good mid-request (no restart), after the request's first tokens
+    (before them, the request would run again on another replica): that request ends with a
     retryable 503 (``Retry-After``, code ``UNAVAILABLE``), never a 500; the next request resolves
     the config's actors again (creating a generator) and succeeds."""
     import threading
@@ -308,7 +309,8 @@ def test_a_lost_generator_fails_its_running_request_with_503_and_the_next_reques
             running = threading.Thread(target=lambda: answer.update(reply=http.post(
                 "/api/v1/generate", json={"input_ids": ids, "max_new_tokens": 512, "ignore_eos": True})))
             running.start()
-            wait_until(lambda: _stats(first_generator)["streaming"] >= 1, timeout=120, what="the request to run")
+            wait_until(lambda: ray.get(first_generator.metrics.remote(), timeout=60).inter_token_latency.count >= 4,
+                       timeout=120, what="the request to stream its first tokens")
             ray.kill(first_generator, no_restart=True)
             running.join(300)
             reply = answer["reply"]

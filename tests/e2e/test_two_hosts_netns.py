@@ -1,5 +1,9 @@
 """Two hosts across a real network: the Ray head here, the SAE box in a network namespace.
 
+Each host also offers one ``gen_slot``: with ``ray.generator_resource: gen_slot`` and two
+generator replicas, one replica runs on each host, and the replica router (a job's) reads the
+far replica's cache events across the veth.
+
 A veth pair joins this machine's root network namespace (the head, its driver and the generator,
 on the pair's first address) to a namespace of the test's own (the second node, on the other
 address, the only node offering ``sae_gpu``), so every byte between the SAE workers and the head
@@ -157,13 +161,14 @@ def hosts(tmp_path_factory):
     try:
         port = _free_port(head_ip)
         head = _ray_start(["--head", "--node-ip-address", head_ip, "--port", str(port), "--num-cpus", "4",
-                           "--num-gpus", "0", "--include-dashboard", "false", "--temp-dir", str(temp_dir)],
-                          logs / "head.log")
+                           "--num-gpus", "0", "--include-dashboard", "false", "--temp-dir", str(temp_dir),
+                           "--resources", json.dumps({"gen_slot": 1})], logs / "head.log")
         started.append(head)
         _wait_for_port(head_ip, port, head, logs / "head.log")
         address = f"{head_ip}:{port}"
         sae_node = _ray_start(["--address", address, "--node-ip-address", sae_ip, "--num-cpus", "3", "--num-gpus", "0",
-                               "--resources", json.dumps({"sae_gpu": 2})], logs / "sae-node.log", namespace=namespace)
+                               "--resources", json.dumps({"sae_gpu": 2, "gen_slot": 1})], logs / "sae-node.log",
+                              namespace=namespace)
         started.append(sae_node)
         ray.init(address=address, log_to_driver=False, _node_ip_address=head_ip)  # the driver is on the head
 
@@ -222,6 +227,43 @@ def test_sae_rows_cross_the_veth_and_land_in_the_store_on_the_head(hosts, tmp_pa
         kill_namespace_actors(config)
 
 
+def test_one_generator_replica_per_host_and_the_router_reads_both(hosts, tmp_path):
+    """``ray.generators: 2`` with ``generator_resource: gen_slot`` (one unit per host): a replica on
+    each host; a job's requests share two system prompts, both replicas serve them, and the job's
+    router reads what each one cached — the far one's cache events across the veth."""
+    import ray
+
+    from pipelines.bench.chat_workload import chats, interleaved, system_prompt
+    from pipelines.cluster.topology import build_topology
+    from pipelines.jobs.generate import read_prompts, run
+
+    config = ray_config(tmp_path, generators=2, generator_resource="gen_slot", generator_num_cpus=1,
+                        generator_max_concurrency=2, call_timeout_s=120)
+    config = dataclasses.replace(config, sae=dataclasses.replace(config.sae, enabled=False))
+    systems = [system_prompt(0, words=150), system_prompt(1, words=150)]
+    order = interleaved(chats(2, 4, 1, seed=3), run=2)
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c.prompt(0, systems[c.system]), "max_tokens": 2, "temperature": 0,
+                                        "request_id": f"host-{i}"}) + "\n" for i, c in enumerate(order)))
+    try:
+        topo = build_topology(config)
+        nodes = {ray.get(g.routing_report.remote(), timeout=300).node_id: g for g in topo.generators}
+        assert set(nodes) == {hosts.sae_node_id, *(n["NodeID"] for n in ray.nodes()
+                                                   if n["Alive"] and n["NodeManagerAddress"] == hosts.head_ip)}, \
+            "the two replicas must run one on each host"
+        summary = run(config, read_prompts(path), tmp_path / "out.jsonl", progress=lambda line: None)
+        assert summary["requests"] == len(order) and summary["failed"] == 0, summary
+        served = {node: ray.get(g.stats.remote(), timeout=120)["requests"] for node, g in nodes.items()}
+        assert all(n > 0 for n in served.values()), f"each host's replica must serve requests: {served}"
+        hits = {node: ray.get(g.metrics.remote(), timeout=120).prefix_cache_hits for node, g in nodes.items()}
+        assert sum(hits.values()) > 0, f"the shared system prompts must be reused: hits {hits}"
+        seen = summary["router"]["cached_blocks"]
+        assert sorted(seen) == ["0", "1"] and all(n > 0 for n in seen.values()), \
+            f"the router must have read both replicas' cached blocks, the far one's across the veth: {seen}"
+    finally:
+        kill_namespace_actors(config)
+
+
 def test_losing_the_sae_node_mid_job_records_missing_blocks_and_loses_no_result(hosts, tmp_path):
     import ray
 
@@ -270,3 +312,4 @@ def test_losing_the_sae_node_mid_job_records_missing_blocks_and_loses_no_result(
         assert len(reasons) == summary["sae_blocks_missing"] and all(reason for (reason,) in reasons), reasons
     finally:
         kill_namespace_actors(config)
+

@@ -161,3 +161,64 @@ def test_registered_mods_reach_an_actor_backed_engine_as_payloads():
     assert remote.mod("noop") == payload
     assert remote.sae_features_available() is False
     assert local.sae_features_available() is False
+
+
+def _dies_after(events):
+    """A replica's stream that yields ``events`` and then loses its actor."""
+    from ray.exceptions import ActorDiedError
+
+    def items():
+        yield from events
+        raise ActorDiedError()
+
+    return items()
+
+
+def test_a_replica_lost_before_the_first_token_reruns_the_request_elsewhere_unseen():
+    from pipelines.serve.remote_engine import Attempt, RemoteHandle
+
+    ended, reran = [], []
+
+    def rerun(dead):
+        reran.append(dead.replica)
+        return Attempt("r1", "r1-retry1", iter([*_events(), {"result": _result(request_id="r1-retry1")}]),
+                       lambda: None)
+
+    handle = RemoteHandle(_accepted(), Attempt("r0", "r1", _dies_after([]), lambda: None), rerun=rerun,
+                          on_end=lambda a, lost: ended.append((a.replica, lost)))
+    assert list(handle) == _events()  # the reader never sees the lost attempt
+    assert handle.result(timeout=10).request_id == "r1-retry1"
+    assert reran == ["r0"] and handle.reruns == 1 and handle.replica == "r1"
+    assert ended == [("r0", True), ("r1", False)]
+
+
+def test_a_replica_lost_after_a_token_ends_the_stream_with_a_clean_retryable_error():
+    from engine.errors import ReplicaLostError
+    from pipelines.serve.errors import ErrorCode, api_error_from
+    from pipelines.serve.remote_engine import Attempt, RemoteHandle
+
+    reran = []
+    handle = RemoteHandle(_accepted(), Attempt("r0", "r1", _dies_after(_events()[:1]), lambda: None),
+                          rerun=lambda dead: reran.append(dead) or None)
+    assert list(handle) == _events()[:1]
+    with pytest.raises(ReplicaLostError, match="must stay up until its end") as caught:
+        handle.result(timeout=10)
+    assert reran == [] and caught.value.recoverable
+    api = api_error_from(caught.value)
+    assert api.code is ErrorCode.UNAVAILABLE and api.headers["Retry-After"]
+
+
+def test_reruns_are_bounded_when_every_replica_keeps_dying():
+    from engine.errors import ReplicaLostError
+    from pipelines.serve.remote_engine import MAX_RERUNS, Attempt, RemoteHandle
+
+    count = []
+
+    def rerun(dead):
+        count.append(dead.replica)
+        return Attempt(f"r{len(count)}", "r1", _dies_after([]), lambda: None)
+
+    handle = RemoteHandle(_accepted(), Attempt("r0", "r1", _dies_after([]), lambda: None), rerun=rerun)
+    with pytest.raises(ReplicaLostError, match=f"before its first token, {MAX_RERUNS + 1} times"):
+        handle.result(timeout=10)
+    assert len(count) == MAX_RERUNS
