@@ -76,7 +76,8 @@ def _query_in_a_shell(cfg_path, env_var: str | None):
     env["PYTHONPATH"] = str(repo)
     if env_var is not None:
         env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = env_var
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", "query", "top", "--request-id", "A", "--json",
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", "query", "top", "--request-id", "A", "--order",
+                           "activation", "--json",
                            "--config", str(cfg_path)], env=env, cwd=repo, capture_output=True, text=True, timeout=180)
 
 
