@@ -288,6 +288,16 @@ class GeneratorActor:
             return self._calls
 
     @ray.method(concurrency_group=CONTROL)
+    def cancel_streams(self) -> int:
+        """Cancel every streamed request (the HTTP server's: its replica went away); how many. A
+        Ray job's requests (``generate``) go on."""
+        with self._lock:
+            handles = list(self._streams.values())
+        for handle in handles:
+            handle.cancel()
+        return len(handles)
+
+    @ray.method(concurrency_group=CONTROL)
     def cancel(self, request_id: str) -> bool:
         """End a streamed request at its next step (finish reason ``cancelled``), or a job
         (embeddings, scoring, a capture) at its next unit; False if it is not running here

@@ -78,6 +78,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=2048, help="most tokens one request may ask for")
     p.add_argument("--max-ws-connections", type=int, default=32, help="open WebSocket connections at once")
     p.add_argument("--request-timeout-s", type=float, default=600.0, help="a request running longer is cancelled")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C, how long requests in flight may finish before they are cancelled")
     p.set_defaults(func=_cmd_serve)
 
 
@@ -91,7 +93,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     settings = ServeSettings(host=args.host, port=args.port, api_key=api_key, insecure_no_auth=args.insecure_no_auth,
                              allow_mod_registration=args.allow_mod_registration, max_new_tokens=args.max_new_tokens,
-                             max_ws_connections=args.max_ws_connections, request_timeout_s=args.request_timeout_s)
+                             max_ws_connections=args.max_ws_connections, request_timeout_s=args.request_timeout_s,
+                             shutdown_grace_s=args.shutdown_grace_s)
     config = load_config(args.config)
     prepare_ray_env(address=args.address or config.ray.address)
     from pipelines.serve.deployment import serve_forever

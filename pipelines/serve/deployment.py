@@ -25,6 +25,7 @@ cluster they keep running after ``raylens serve`` stops (``raylens stop`` remove
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from typing import Any
@@ -68,6 +69,8 @@ def build_deployment(config: RaylensConfig, settings: ServeSettings) -> Any:
         # every open WebSocket and stream is an ongoing request; HTTP calls come on top
         max_ongoing_requests=settings.max_ws_connections + 64,
         ray_actor_options={"num_cpus": REPLICA_NUM_CPUS},
+        # taken down (SIGTERM, Ctrl-C): requests in flight get the grace period to finish
+        graceful_shutdown_timeout_s=settings.shutdown_grace_s, graceful_shutdown_wait_loop_s=0.5,
     )
     return deployment.bind(config, settings)
 
@@ -125,7 +128,9 @@ def _refuse_a_running_app() -> None:
 
 
 def serve_forever(config: RaylensConfig, settings: ServeSettings, address: str | None = None) -> int:
-    """``raylens serve``: deploy, print where, and run until Ctrl-C, then take the app down."""
+    """``raylens serve``: deploy, print where, and run until SIGTERM or Ctrl-C; then stop taking
+    requests, give those in flight ``settings.shutdown_grace_s`` to finish, cancel what still runs
+    on the generators, take the app down and return (within the grace period and a few seconds)."""
     from ray import serve
 
     for note in settings.startup_warnings():
@@ -136,11 +141,39 @@ def serve_forever(config: RaylensConfig, settings: ServeSettings, address: str |
     url = deploy(config, settings)
     print(f"raylens: serving {config.backend.model_id} at {url}  (viewer: {url}/, OpenAI: {url}/v1, "
           f"attention API: {url}/api/v1). Ctrl-C stops.", file=sys.stderr, flush=True)
+    # after Ray's start: its own SIGTERM handler (installed by ray.init) would abort the process
+    stop = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        threading.Event().wait()
+        stop.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        serve.delete(APP_NAME)
+        print(f"raylens: stopping: requests in flight have {settings.shutdown_grace_s:g} s to finish…",
+              file=sys.stderr, flush=True)
+        serve.delete(APP_NAME)  # Serve drains the replica for up to the grace period, then stops it
+        cancelled = _cancel_streams(config)
         serve.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+        print(f"raylens: stopped ({cancelled} stream(s) still running were cancelled).", file=sys.stderr, flush=True)
     return 0
+
+
+def _cancel_streams(config: RaylensConfig) -> int:
+    """Cancel the HTTP streams still running on the config's generators after the server's replica
+    went away (nobody reads them any more); a Ray job's requests are left alone. How many."""
+    import ray
+
+    from pipelines.cluster.replicas import ReplicaSet
+
+    try:
+        replicas = ReplicaSet(config)
+        replicas.discover()
+        handles = list(replicas.handles.values())
+        refs = [handle.cancel_streams.remote() for handle in handles]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=config.ray.call_timeout_s)
+        return sum(int(ray.get(ref)) for ref in done)
+    except Exception as err:  # the cluster is going away too: nothing left to cancel
+        print(f"raylens: could not reach the generators to cancel their streams: {type(err).__name__}: {err}",
+              file=sys.stderr, flush=True)
+        return 0

@@ -47,6 +47,8 @@ class ServeSettings:
     ``max_new_tokens``: the most tokens one request may ask for. ``max_message_bytes``: the largest
     HTTP body or WebSocket message. ``max_ws_connections``: open WebSocket connections at once.
     ``request_timeout_s``: a request still running after this is cancelled (error ``TIMEOUT``).
+    ``shutdown_grace_s``: on SIGTERM (or Ctrl-C) requests in flight get this long to finish while
+    nothing new is taken; what still runs then is cancelled, and the server exits.
     """
 
     host: str = "127.0.0.1"
@@ -60,6 +62,7 @@ class ServeSettings:
     request_timeout_s: float = 600.0
     max_top_logprobs: int = 20
     mod_load_timeout_s: float = 20.0  # a registered mod's top-level code must return within this
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +72,7 @@ class ServeSettings:
             ("max_ws_connections", self.max_ws_connections >= 1, ">= 1", self.max_ws_connections),
             ("request_timeout_s", self.request_timeout_s > 0, "> 0", self.request_timeout_s),
             ("mod_load_timeout_s", self.mod_load_timeout_s > 0, "> 0", self.mod_load_timeout_s),
+            ("shutdown_grace_s", self.shutdown_grace_s > 0, "> 0", self.shutdown_grace_s),
             ("max_top_logprobs", 0 <= self.max_top_logprobs <= 20, "in [0, 20]", self.max_top_logprobs),
             ("api_key", self.api_key is None or len(self.api_key) >= 8, "at least 8 characters", "<hidden>"),
         ]
