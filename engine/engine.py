@@ -294,9 +294,10 @@ class Engine:
             stream=handle, started_at=time.perf_counter(),
         )
         self._claim(request_id)
-        conversation.set_conversation(request_id, [dict(m) for m in context.conversation])
-        conversation.set_schemas(request_id, conversation.schemas_from_request(
-            context.response_format, list(context.tools) if context.tools is not None else None))
+        if loaded:  # what mods read through the conversation API (a request with none needs no copy)
+            conversation.set_conversation(request_id, [dict(m) for m in context.conversation])
+            conversation.set_schemas(request_id, conversation.schemas_from_request(
+                context.response_format, list(context.tools) if context.tools is not None else None))
         try:
             with self._lock:
                 self._handles[request_id] = handle
