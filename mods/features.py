@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from .decorator import mod
+from .tensor import MaskedLogits
 from .types import ForwardPass, ModEvent
 
 __all__ = ["feature_value", "feature_fires", "top_features", "ban_tokens_while", "force_tokens_when",
@@ -38,9 +39,8 @@ def feature_fires(event: ModEvent, feature_id: int, threshold: float = 0.0) -> b
 
 
 def _masked(event: ForwardPass, tokens: Iterable[int], actions: Any) -> Any:
-    logits = event.logits.to_numpy()  # a host copy: the engine's own tensor is read-only
-    logits[..., list(tokens)] = _BANNED
-    return actions.adjust_logits(type(event.logits).from_numpy(logits))
+    """The event's logits with ``tokens`` banned, said (the engine bans them where its logits are)."""
+    return actions.adjust_logits(MaskedLogits(event.logits, disallowed=list(tokens), value=_BANNED))
 
 
 def ban_tokens_while(feature_id: int, threshold: float, tokens: Iterable[int], *, name: str | None = None):

@@ -22,6 +22,7 @@ import numpy as np
 
 from .actions import ActionBuilder
 from .decorator import ModCallable, mod
+from .tensor import MaskedLogits
 from .strategies.strategy_constructor import ChoicesStrat, ListStrat, StrategyConstructor
 from .types import Added, Backtrack, ForceTokens, ForwardPass, ModAction, Prefilled
 
@@ -64,30 +65,13 @@ def _ids(values: Set[int]) -> np.ndarray:
 
 def mask_logits(logits: Any, allowed: Set[int], disallowed: Set[int], mask_value: float) -> Any:
     """``logits`` with every id outside ``allowed`` (when non-empty) and every id in ``disallowed``
-    set to ``mask_value``; the same tensor class, on the same device. Out-of-range ids are
-    ignored; if none is in range the logits come back unchanged."""
-    work = np.array(logits.to_numpy(), dtype=np.float32, copy=True)  # [1, V]
-    vocab = work.shape[-1]
-    allowed_ids = _ids(allowed) if allowed else np.empty(0, np.int64)
-    disallowed_ids = _ids(disallowed) if disallowed else np.empty(0, np.int64)
-    allowed_ids = allowed_ids[(allowed_ids >= 0) & (allowed_ids < vocab)]
-    disallowed_ids = disallowed_ids[(disallowed_ids >= 0) & (disallowed_ids < vocab)]
-    if not len(allowed_ids) and not len(disallowed_ids):
+    set to ``mask_value``: a :class:`~mods.tensor.MaskedLogits` the engine applies where its logits
+    are (no host copy), whose ``to_numpy()`` is that edit of ``logits.to_numpy()``. Out-of-range
+    ids are ignored; if none is in range the logits come back unchanged."""
+    masked = MaskedLogits(logits, allowed=allowed if allowed else None, disallowed=disallowed or (), value=mask_value)
+    if (masked.allowed is None or not len(masked.allowed)) and not len(masked.disallowed):
         return logits
-    if allowed:
-        mask = np.ones(vocab, dtype=bool)
-        mask[allowed_ids] = False
-    else:
-        mask = np.zeros(vocab, dtype=bool)
-    mask[disallowed_ids] = True
-    work[..., mask] = float(mask_value)
-    from_numpy = getattr(type(logits), "from_numpy", None)
-    if callable(from_numpy):
-        adjusted = from_numpy(work)
-        device = getattr(logits, "device", None)
-        return adjusted.to(device) if device is not None and hasattr(adjusted, "to") else adjusted
-    logits.copy_(work)
-    return logits
+    return masked
 
 
 class SelfPrompt:

@@ -24,6 +24,7 @@ from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
 from engine.model.tensor import HostLogits, as_torch
 from mods.manager import ModCall
+from mods.tensor import MaskedLogits
 from mods.validation import ALLOWED_ACTIONS, InvalidActionError, check_action_values, check_steer, check_token_ids
 from mods.types import (
     Added,
@@ -194,7 +195,13 @@ class PhaseActions:
         if not self.valid(item):  # token_temp: None, 0 (greedy) or finite > 0
             return
         try:
-            logits = as_torch(action.logits, device=self.device, dtype=torch.float32).reshape(-1)
+            if isinstance(action.logits, MaskedLogits):  # said, not done: applied here, where the logits are
+                masked = action.logits
+                row = as_torch(masked.base, device=self.device, dtype=torch.float32).reshape(-1)
+                mask = torch.from_numpy(masked.mask()).to(self.device)  # (V,) bool
+                logits = row.masked_fill(mask, masked.value)
+            else:
+                logits = as_torch(action.logits, device=self.device, dtype=torch.float32).reshape(-1)
         except Exception as err:  # a mod handed us something that is not a tensor
             return self.fault(item, f"AdjustedLogits.logits is not a tensor of numbers: {err}")
         if logits.shape[0] != vocab:

@@ -410,3 +410,35 @@ def test_the_builder_validation_and_the_phases_read_one_table_of_allowed_actions
     # the phases name no action list of their own: each reads its event's row of the table
     source = inspect.getsource(phase_rules.PhaseActions)
     assert source.count("ALLOWED_ACTIONS[event]") == 1 and "has no effect at" not in source
+
+
+def test_a_said_mask_reads_and_samples_exactly_as_the_numpy_edit_it_stands_for():
+    """MaskedLogits (what SelfPrompt's strategies and mods.features return) is applied by the
+    engine where the logits are, with no host copy; reading it gives the numpy edit of the event's
+    logits, and a run masked that way is token for token the run masked by the numpy edit."""
+    from mods.tensor import MaskedLogits
+
+    allowed = set(TOK.encode("held ow"))  # the script wants "hello world": 'l' is not allowed
+
+    def said(event, tokenizer=None):
+        if isinstance(event, ForwardPass):
+            masked = MaskedLogits(event.logits, allowed=sorted(allowed) + [10_000], value=-1e9)
+            expected = event.logits.to_numpy().copy()
+            expected[0, [t for t in range(expected.shape[1]) if t not in allowed]] = -1e9
+            assert np.array_equal(masked.to_numpy(), expected) and masked.shape == (1, expected.shape[1])
+            return AdjustedLogits(masked)
+        return None
+
+    def done(event, tokenizer=None):
+        if isinstance(event, ForwardPass):
+            logits = event.logits.to_numpy().copy()
+            logits[0, [t for t in range(logits.shape[1]) if t not in allowed]] = -1e9
+            return AdjustedLogits(type(event.logits).from_numpy(logits))
+        return None
+
+    plain = scripted_engine("hello world").generate(input_ids=TOK.encode("Q:"))
+    runs = [scripted_engine("hello world").generate(input_ids=TOK.encode("Q:"), mods=[m]) for m in (said, done)]
+    assert runs[0].sequence_ids == runs[1].sequence_ids != plain.sequence_ids  # positive control: it changed
+    assert all(t in allowed or t == TOK.eos_token_id for t in runs[0].sequence_ids)
+    shapes = [[a["logits_shape"] for a in r.payload["actions"]] for r in runs]
+    assert shapes[0] == shapes[1] and shapes[0]
