@@ -34,75 +34,24 @@ order, with the same records, as in place.
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Generator, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from engine.core.chunks import join_chunks
+from engine.core.events import all_features, attention_rows, features_of, forward_event, newest_row, prefilled_event
+from engine.core.phases import Phase
 from engine.core.actions import Call, PhaseActions, SteerSource, StepPlan
 from engine.core.request import ForwardRecord, RequestState, RequestStatus
 from engine.core.result import FinishReason
-from engine.errors import GrammarError
 from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
 from engine.model.sampling import SampleResult, SampleRow
-from engine.model.tensor import TensorShim
 from mods.manager import CallRunner, ModCall, ModManager, dispatch_batch
-from mods.types import Added, ContextInfo, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
+from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
-__all__ = ["RequestMachine", "Phase", "drive", "join_chunks", "run_guarded"]
-
-log = logging.getLogger("raylens.step_loop")
-
-
-T = TypeVar("T")
-Phase = Generator[ModEvent, list[ModCall], T]  # yields events for mods, is sent their calls, returns T
-
-
-def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRunner) -> list[Any]:
-    """Run each machine's phase to its end; every round, the events all of them wait on are
-    dispatched to their mods together (one thread hand-off for the round, not one per call). A
-    phase that raises fails its request alone (its result is None)."""
-    results: list[Any] = [None] * len(phases)
-    waiting: list[tuple[int, ModEvent]] = []
-
-    def advance(i: int, value: Any) -> None:
-        machine, phase = phases[i]
-        try:
-            event = phase.send(value)
-        except StopIteration as done:
-            results[i] = done.value
-            return
-        except Exception as err:
-            _fault(machine, err)
-            return
-        waiting.append((i, event))
-
-    for i in range(len(phases)):
-        advance(i, None)
-    while waiting:
-        now, waiting[:] = list(waiting), []
-        calls = dispatch_batch([(phases[i][0].manager, event) for i, event in now], runner)
-        for (i, _), made in zip(now, calls):
-            advance(i, made)
-    return results
-
-
-def run_guarded(machine: "RequestMachine", fn: Callable[[], Any]) -> Any:
-    """Run one request's part of a step; a fault ends that request alone (None is returned)."""
-    try:
-        return fn()
-    except Exception as err:
-        _fault(machine, err)
-        return None
-
-
-def _fault(machine: "RequestMachine", err: Exception) -> None:
-    """A fault in one request's part of a step ends it alone; a grammar's names the request field
-    it came from (``response_format``, ``tool_choice``)."""
-    log.warning("request %s failed: %s: %s", machine.request_id, type(err).__name__, err)
-    machine.fail(f"{type(err).__name__}: {err}", err.parameter if isinstance(err, GrammarError) else None)
+__all__ = ["RequestMachine"]
 
 
 class RequestMachine:
@@ -429,7 +378,7 @@ class RequestMachine:
         if sample is not None and state.stream is not None:
             features = self._features(newest_only=True)
             if state.request.attention_all_layers:
-                attention = _attention_rows(state.output)  # type: ignore[arg-type]
+                attention = attention_rows(state.output)  # type: ignore[arg-type]
         tokens = list(state.append(tokens, sample))
         if tokens and state.stream is not None:
             self._announce(state.stream.committed, (tokens, forced, sample, attention, features))
@@ -515,37 +464,23 @@ class RequestMachine:
     def _features(self, newest_only: bool) -> SAEFeatures | None:
         """The inline SAE encoding of the newest forward, as the SDK's numpy object."""
         encoded = self.state.sae_features
-        if encoded is None:
-            return None
-        if not newest_only:
-            return SAEFeatures(encoded.indices.cpu().numpy(), encoded.values.float().cpu().numpy(), encoded.release,
-                               encoded.layer)
+        if encoded is None or not newest_only:
+            return all_features(encoded)
         return self._newest_features(encoded)
 
     def _newest_features(self, encoded: Any) -> SAEFeatures | None:
-        """The newest row of an inline SAE encoding (``(k,)`` indices and values)."""
+        """The newest row of an inline SAE encoding (``(k,)`` indices and values): one host copy
+        per forward, however many readers (ForwardPass and the stream), each given its own arrays."""
         if encoded is None:
             return None
-        # ForwardPass and the stream both want the newest row: one host copy per forward, and each
-        # reader gets arrays of its own (a mod may write into what it is handed)
         if self._newest is None or self._newest[0] is not encoded:
-            self._newest = (encoded, encoded.indices[-1].cpu().numpy(), encoded.values[-1].float().cpu().numpy())
-        _, indices, values = self._newest
-        return SAEFeatures(indices.copy(), values.copy(), encoded.release, encoded.layer)
+            self._newest = newest_row(encoded)
+        return features_of(self._newest)
 
     def _prefilled_event(self) -> Prefilled:
         state = self.state
-        captured = state.output.captured  # type: ignore[union-attr]
-        layer = state.event_layer
-        ids = list(state.prompt_ids)
-        return Prefilled(
-            state.request_id, 0, state.max_tokens, ContextInfo(state.request_id, ids, state.max_tokens),
-            hidden_states=_shim(captured.hidden.get(layer)),  # (prompt_len, d)
-            attention_patterns=_shim(captured.attention.get(layer)),  # (h, prompt_len, prompt_len)
-            layer=layer,
-            input_ids=ids,
-            sae_features=self._features(newest_only=False),  # (prompt_len, k)
-        )
+        return prefilled_event(state.request_id, state.prompt_ids, state.max_tokens, state.output,  # type: ignore[arg-type]
+                               state.event_layer, self._features(newest_only=False))
 
     def _forward_event(self) -> ForwardPass:
         state = self.state
@@ -554,60 +489,8 @@ class RequestMachine:
 
     def _forward_event_of(self, output: RowOutput, step: int, input_ids: list[int], encoded: Any,
                           host: Any = None) -> ForwardPass:
-        layer = self.state.event_layer
-        hidden = output.captured.hidden.get(layer)
-        attention = output.captured.attention.get(layer)
-        return ForwardPass(
-            self.state.request_id, step, _logits_shim(output, host),  # (1, V)
-            hidden_states=_shim(hidden if hidden is None or hidden.shape[0] == 1 else hidden[-1:]),  # (1, d)
-            attention_patterns=_shim(attention if attention is None or attention.shape[1] == 1
-                                     else attention[:, -1:, :]),  # (h, 1, kv)
-            layer=layer,
-            input_ids=input_ids,
-            sae_features=self._newest_features(encoded),  # (k,)
-        )
+        return forward_event(self.state.request_id, step, output, self.state.event_layer, input_ids,
+                             self._newest_features(encoded), host)
 
 
 _NO_ACTIONS = StepPlan()  # a step no mod acted on (never changed: read only)
-
-
-def join_chunks(parts: Sequence[tuple[ForwardRow, RowOutput]]) -> tuple[ForwardRow, RowOutput]:
-    """The row and output one forward of every chunk's tokens would have given: logits and top
-    log-probs of the last chunk; hidden ``(q_total, d)`` concatenated; attention, when every query
-    row was asked for, ``(heads, q_total, kv)`` with each earlier chunk's ``(heads, q_i, kv_i)``
-    zero-padded to the last chunk's ``kv`` (causal: the keys after a chunk get no weight from it),
-    else the last chunk's newest row."""
-    first, (last_row, last_out) = parts[0][0], parts[-1]
-    hidden = {layer: torch.cat([out.captured.hidden[layer] for _, out in parts])
-              for layer in last_out.captured.hidden}
-    attention = dict(last_out.captured.attention)
-    if last_row.plan.all_query_rows:
-        for layer, newest in last_out.captured.attention.items():
-            kv = newest.shape[-1]
-            attention[layer] = torch.cat([torch.nn.functional.pad(out.captured.attention[layer],
-                                                                  (0, kv - out.captured.attention[layer].shape[-1]))
-                                          for _, out in parts], dim=1)
-    tokens = tuple(t for row, _ in parts for t in row.tokens)
-    row = ForwardRow(first.request_id, first.start, tokens, last_row.plan, last_row.steer, last_row.steer_layer)
-    return row, RowOutput(last_out.logits, RowCapture(hidden, attention), last_out.top)
-
-
-def _logits_shim(output: RowOutput, host: Any) -> TensorShim:
-    """``(1, V)`` read-only logits of the newest forward: a view of the batch's row, made when a
-    reader first asks for it; ``host``: the step's host copy its mods read (``to_numpy``)."""
-    source = output.source
-    if source is None:
-        return TensorShim(output.logits[None, :], readonly=True)
-    batch, index = source
-    return TensorShim.row(batch, index, host)
-
-
-def _shim(tensor: torch.Tensor | None) -> TensorShim | None:
-    return TensorShim(tensor, readonly=True) if tensor is not None else None
-
-
-def _attention_rows(output: RowOutput) -> np.ndarray:
-    """``(layers, heads, context)`` float32 host copy of the newest attention row of every layer."""
-    attention = output.captured.attention
-    rows = [attention[layer][:, -1, :] for layer in sorted(attention)]
-    return torch.stack(rows).float().cpu().numpy()

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from engine.core.kv_manager import KVManager
-from engine.core.machine import RequestMachine, run_guarded
+from engine.core.machine import RequestMachine
+from engine.core.phases import run_guarded
 from engine.core.stream import RequestHandle
 from engine.errors import ConfigError
 from engine.model.backend import ForwardBatch, RowOutput

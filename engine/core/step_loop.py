@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from engine.core.jobs import Job, JobHandle
 from engine.core.kv_manager import KVManager
-from engine.core.machine import drive, run_guarded
+from engine.core.phases import drive, run_guarded
 from engine.core.scheduler import Entry, LoopStats, Scheduler, SchedulerOutput
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model.backend import Backend, ForwardBatch, ForwardRow, RowOutput

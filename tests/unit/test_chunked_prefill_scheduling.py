@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.core.machine import join_chunks
+from engine.core.chunks import join_chunks
 from engine.core.result import FinishReason
 from engine.core.scheduler import plan_tokens
 from engine.model.backend import ForwardRow, RowOutput
