@@ -22,7 +22,7 @@ import torch
 from engine.core.request import RequestState
 from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
-from engine.model.tensor import HostLogits, as_torch
+from engine.model.tensor import as_torch
 from mods.manager import ModCall
 from mods.tensor import MaskedLogits
 from mods.validation import ALLOWED_ACTIONS, InvalidActionError, check_action_values, check_steer, check_token_ids
@@ -210,7 +210,7 @@ class PhaseActions:
         # one pass and one device read: the maximum is finite unless there is a NaN (max propagates
         # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from; the same
         # pass finds the greedy choice (the first maximum, as argmax picks it)
-        lent = HostLogits.row_of(logits) if logits.device.type == "cpu" else None
+        lent = getattr(action.logits, "lent", None)  # a whole row of the step's host copy, as a mod left it
         best, where = lent[0].row_max(lent[1]) if lent is not None else logits.max(0)
         if not bool(torch.isfinite(best)):
             return self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "

@@ -65,19 +65,14 @@ class HostLogits:
                 self._host = host
             return self._host[j:j + 1]
 
-    @staticmethod
-    def row_of(tensor: torch.Tensor) -> "tuple[HostLogits, int] | None":
-        """``(the step's HostLogits, slot)`` when ``tensor`` is a whole row lent by one (a logits
-        mod's edit-and-return), else None."""
-        for host in list(_LENT.values()):
-            array = host._host
-            if array is None or tensor.dtype != torch.float32 or tensor.numel() != array.shape[1]:
-                continue
-            offset = tensor.data_ptr() - array.ctypes.data
-            row_bytes = array.shape[1] * array.itemsize
-            if 0 <= offset < array.nbytes and offset % row_bytes == 0 and tensor.is_contiguous():
-                return host, offset // row_bytes
-        return None
+    def slot_of(self, array: np.ndarray) -> int | None:
+        """The slot whose whole row ``array`` is (a view of this copy), else None."""
+        host = self._host
+        if host is None or array.base is not host or array.size != host.shape[1]:
+            return None
+        offset = array.ctypes.data - host.ctypes.data
+        row_bytes = host.shape[1] * host.itemsize
+        return offset // row_bytes if offset % row_bytes == 0 and array.flags.c_contiguous else None
 
     def row_max(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(maximum, its first index)`` of lent row ``slot`` as its mod left it. Every row at once,
@@ -96,13 +91,14 @@ class TensorShim:
     while the payload records a Noop, so writes raise. A mod changes logits by returning
     ``AdjustedLogits`` with an edited copy (``to_numpy()`` already returns a copy)."""
 
-    __slots__ = ("_view", "_readonly", "_source", "_host")
+    __slots__ = ("_view", "_readonly", "_source", "_host", "lent")
 
     def __init__(self, tensor: torch.Tensor, *, readonly: bool = False) -> None:
         self._view = tensor
         self._readonly = readonly
         self._source: tuple[torch.Tensor, int] | None = None
         self._host: HostLogits | None = None
+        self.lent: tuple[HostLogits, int] | None = None  # (the step's host copy, slot) when wrapping its whole row
 
     @classmethod
     def row(cls, batch: torch.Tensor, index: int, host: HostLogits | None = None) -> "TensorShim":
@@ -110,7 +106,7 @@ class TensorShim:
         is first used (a step hands every request its logits; most are never read); ``host``: the
         step's host copy for mods, if this row is in it."""
         shim = cls.__new__(cls)
-        shim._view, shim._readonly, shim._source, shim._host = None, True, (batch, index), host
+        shim._view, shim._readonly, shim._source, shim._host, shim.lent = None, True, (batch, index), host, None
         return shim
 
     @property
@@ -134,7 +130,10 @@ class TensorShim:
         base = getattr(array, "base", None)
         lender = _LENT.get(id(base)) if base is not None else None
         if lender is not None and lender._host is base and array.dtype == np.float32:
-            return cls(torch.from_numpy(array))
+            shim = cls(torch.from_numpy(array))
+            slot = lender.slot_of(array)
+            shim.lent = None if slot is None else (lender, slot)
+            return shim
         return cls(torch.from_numpy(np.array(array, copy=True)))
 
     @property

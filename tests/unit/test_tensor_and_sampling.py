@@ -69,3 +69,32 @@ def test_top_k_and_top_p_restrict_the_candidates(params, allowed):
     gen = make_generator(0, torch.device("cpu"))
     drawn = {sample(logits, params, gen) for _ in range(200)}
     assert drawn <= allowed and drawn
+
+
+def test_a_steps_logits_reach_mods_through_one_host_copy_each_rows_first_read_its_own():
+    """HostLogits: the rows of every request with mods are copied to the host once, at the first
+    read; a row's first to_numpy() is a writable view of that copy (its mod's edits never reach the
+    engine's logits, nor another row), a second read is a fresh copy of the engine's row, and
+    from_numpy of the view wraps it without copying again."""
+    from engine.model.tensor import HostLogits
+
+    batch = torch.arange(4 * 6, dtype=torch.float32).view(4, 6)  # (B, V)
+    original = batch.clone()
+    host = HostLogits(batch)
+    for row in (1, 3):
+        host.add(row)
+    a, b = TensorShim.row(batch, 1, host), TensorShim.row(batch, 3, host)
+    view = a.to_numpy()
+    assert view.shape == (1, 6) and np.array_equal(view, original[1:2].numpy())
+    view[0, 0] = -1e9  # the mod's edit, in place
+    assert torch.equal(batch, original), "a mod's edit reached the engine's logits"
+    again = a.to_numpy()
+    assert again[0, 0] == original[1, 0] and not np.shares_memory(again, view), "a second read must be a copy"
+    assert np.array_equal(b.to_numpy(), original[3:4].numpy()), "another row saw the edit"
+    wrapped = TensorShim.from_numpy(view)
+    assert np.shares_memory(wrapped.tensor.numpy(), view) and wrapped.lent == (host, 0)
+    best, where = host.row_max(0)
+    assert float(best) == float(original[1, 1:].max()) and int(where) == 5  # the edited row's maximum
+    assert TensorShim.row(batch, 0, host).to_numpy() is not None  # a row without mods: its own copy
+    plain = TensorShim.from_numpy(np.ones((1, 6), dtype=np.float32))
+    assert plain.lent is None
