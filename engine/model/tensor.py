@@ -59,8 +59,12 @@ class HostLogits:
                 return None
             self._lent.add(row)
             if self._host is None:
-                rows = torch.tensor(list(self.slot), device=self.batch.device)
-                host = self.batch.index_select(0, rows).to(dtype=torch.float32).cpu().numpy()  # (M, V): a copy
+                order = list(self.slot)
+                if order == list(range(self.batch.shape[0])):  # every row of the batch, in order: one plain copy
+                    copied = self.batch.to(dtype=torch.float32, device="cpu", copy=True)
+                else:
+                    copied = self.batch.index_select(0, torch.tensor(order, device=self.batch.device))
+                host = copied.to(dtype=torch.float32).cpu().numpy()  # (M, V): a copy
                 _LENT[id(host)] = self
                 self._host = host
             return self._host[j:j + 1]
