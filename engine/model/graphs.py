@@ -41,6 +41,7 @@ from engine.model.capture import CAPTURE_KWARG, AttentionCapture, hidden_states_
 from engine.model.kv_cache import (SCRATCH_BLOCK, BatchCacheView, PagedKVCache, cache_argument, read_slots,
                                    write_slots)
 from engine.model.masks import AttentionMasks
+from engine.model.paged_attention import PAGED_KWARG, PagedBatch, PagedCacheView, PagedKernel
 
 __all__ = ["GraphKey", "StaticDecode", "batch_bucket", "length_bucket"]
 
@@ -78,7 +79,7 @@ class StaticDecode:
     """Static buffers (and on CUDA the captured graph) of one decode shape."""
 
     def __init__(self, model: Any, cache: PagedKVCache, key: GraphKey, *, capture: bool, pool: Any = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, paged: PagedKernel | None = None) -> None:
         self.model, self.key, self.cache = model, key, cache
         self.masks = AttentionMasks.of(model)  # model families: sliding layers get their own mask
         device = cache.device
@@ -91,6 +92,8 @@ class StaticDecode:
         self.positions = self.inputs[:, 1:2]  # (B, 1)
         self.tables = self.inputs[:, 2:]  # (B, blocks)
         self.key_positions = torch.arange(length, device=device)  # (L,)
+        self.paged = paged  # a kernel reading the pool in place (engine/model/paged_attention.py), or None
+        self.query_starts = torch.arange(b + 1, dtype=torch.int32, device=device)  # (B+1,): one query per row
         self.attention = AttentionCapture({layer: list(range(b)) for layer in key.attention_layers}, b, False) \
             if key.attention_layers else None
         self.graph = None
@@ -116,9 +119,13 @@ class StaticDecode:
     def _forward(self) -> "DecodeOutputs":
         mask = self.masks.build(self.key_positions, self.positions)  # (B, 1, 1, L), per layer type where needed
         bs = self.cache.block_size
-        view = BatchCacheView(self.cache, write_slots(self.tables, self.positions, bs),
-                              read_slots(self.tables, self.key.kv_len, bs), self.key.kv_len)
+        view: Any = BatchCacheView(self.cache, write_slots(self.tables, self.positions, bs),
+                                   read_slots(self.tables, self.key.kv_len, bs), self.key.kv_len)
         kwargs: dict[str, Any] = {}
+        if self.paged is not None:
+            batch = PagedBatch.for_decode(self.paged, self.tables, self.positions, self.query_starts,
+                                          self.key.kv_len, view.read_index)
+            view, kwargs[PAGED_KWARG] = PagedCacheView(self.cache, view.write_index, batch), batch
         if self.key.hidden_layers:
             kwargs["output_hidden_states"] = [hidden_states_index(layer) for layer in self.key.hidden_layers]
         if self.attention is not None:

@@ -18,6 +18,7 @@ its own. Shapes: ``ids (B, q)``, ``mask (B, 1, q, kv)``, logits ``(B, V)`` float
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -41,9 +42,13 @@ from engine.model.hook_names import resid_post
 from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
 from engine.model.masks import AttentionMasks
+from engine.model.paged_attention import PAGED_KWARG, PagedBatch, PagedCacheView, select_kernel
+from engine.model.prepack import prepack_linears
 from engine.model.taps import taps_of
 
 __all__ = ["HuggingFaceBackend"]
+
+log = logging.getLogger("raylens.backend")
 
 
 class HuggingFaceBackend:
@@ -62,6 +67,10 @@ class HuggingFaceBackend:
             model_id, cache_dir=config.model_cache_dir, device=self.device, dtype=self.dtype,
             attn_implementation=ensure_attention_registered(), hf_token=config.hf_token,
         )
+        # oneDNN-packed linear weights on a CPU (engine/model/prepack.py); before the taps, which
+        # hook modules and never read a forward
+        self.prepacked = prepack_linears(self.model, batch_hint=config.max_batch) \
+            if config.weight_prepack == "auto" else 0
         self._taps = taps_of(self.model)  # every named internal's module, resolved once for this model
         self._masks = AttentionMasks.of(self.model, self._taps.family)  # model families: sliding layers' masks
         mc = self.model.config
@@ -94,6 +103,11 @@ class HuggingFaceBackend:
                                   head_dim=head_dim, block_size=bs, blocks=blocks, max_blocks=max_blocks,
                                   dtype=self.dtype, device=self.device)
         self._kv_layout = KVLayout(bs, self.cache.num_blocks, max_blocks, self.cache.block_nbytes())
+        # a kernel that reads the pool in place, where one serves this model here (else each step gathers)
+        self.paged_kernel, self.paged_reason = select_kernel(
+            config.paged_attention, device=self.device, dtype=self.dtype, block_size=bs,
+            softcapped=getattr(mc, "attn_logit_softcapping", None) is not None)
+        log.info("attention: %s", self.paged_reason)
         self._graphs: dict[GraphKey, StaticDecode] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_capture else None
         self.graph_stats = {"static_steps": 0, "eager_steps": 0, "graphs": 0}
@@ -183,7 +197,8 @@ class HuggingFaceBackend:
         decode = self._graphs.get(key)
         if decode is None:
             decode = self._graphs[key] = StaticDecode(self.model, self.cache, key, capture=self._graph_capture,
-                                                      pool=self._graph_pool, compile=self._compile_decode)
+                                                      pool=self._graph_pool, compile=self._compile_decode,
+                                                      paged=self.paged_kernel)
             self.graph_stats["graphs"] = len(self._graphs)
         out = decode.run([r.tokens[0] for r in rows], starts, [r.table for r in rows])
         self.graph_stats["static_steps"] += 1
@@ -223,9 +238,14 @@ class HuggingFaceBackend:
         capture = AttentionCapture.for_rows(plans)
         if capture is not None:
             kwargs[CAPTURE_KWARG] = capture
+        cache: Any = view
+        if self.paged_kernel is not None:  # the kernel reads the pool in place; nothing is gathered
+            paged = PagedBatch.for_rows(self.paged_kernel, view.tables, starts, lengths, view.read_index)
+            cache = PagedCacheView(self.cache, view.write_index, paged)
+            kwargs[PAGED_KWARG] = paged
         with torch.inference_mode(), self._steering(rows):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                             logits_to_keep=1, **cache_argument(self.model, view), **kwargs)
+                             logits_to_keep=1, **cache_argument(self.model, cache), **kwargs)
             logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
             top = top_logprobs(logits) if any(r.top for r in rows) else None
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}

