@@ -49,6 +49,9 @@ class BackendConfig:
     # (float32/bfloat16; the packed copy costs the linear weights' size once more in memory), "off"
     # keeps torch's default GEMM
     weight_prepack: Literal["auto", "off"] = "auto"
+    # graph_decode: compile keeps inductor's compiled kernels here, so they are built once per
+    # machine (engine/model/compile_cache.py); None: <user cache dir>/raylens/inductor
+    compile_cache_dir: str | None = None
     # attention reading the paged KV pool in place (engine/model/paged_attention.py): "auto" takes
     # torch's paged FlashAttention varlen kernel, else flash-attn's, on CUDA (float16/bfloat16,
     # kv_block_size a multiple of 256) and gathers each row's keys/values elsewhere; "reference"
@@ -332,7 +335,8 @@ class RaylensConfig:
             activations=dataclasses.replace(self.activations, db_path=absolute(self.activations.db_path),
                                             parquet_path=absolute(self.activations.parquet_path)),
             ingest=dataclasses.replace(self.ingest, spool_dir=absolute(self.ingest.spool_dir)),
-            backend=dataclasses.replace(self.backend, model_cache_dir=absolute(self.backend.model_cache_dir)),
+            backend=dataclasses.replace(self.backend, model_cache_dir=absolute(self.backend.model_cache_dir),
+                                        compile_cache_dir=absolute(self.backend.compile_cache_dir)),
             sae=dataclasses.replace(self.sae, sae_id=sae_id),
         )
 

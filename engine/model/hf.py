@@ -36,6 +36,7 @@ from engine.model.capture import (
     hidden_states_index,
     split_rows,
 )
+from engine.model.compile_cache import use_compile_cache
 from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
 from engine.model.hook_names import resid_post
@@ -94,6 +95,8 @@ class HuggingFaceBackend:
         mode = config.graph_decode
         self._graph_capture = mode == "auto" and self.device.type == "cuda"
         self._compile_decode = mode == "compile"
+        if self._compile_decode:  # compiled kernels kept on disk: built once per machine
+            self.compile_cache = use_compile_cache(config.compile_cache_dir)
         self._static_decode = self._graph_capture or mode in ("static", "compile")
         bs = config.kv_block_size
         max_blocks = -(-(config.kv_cache_tokens or config.max_batch * self._max_sequence) // bs) + 1  # + scratch

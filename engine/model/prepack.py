@@ -20,6 +20,7 @@ backward. Modules of another type (GPT-2's ``Conv1D``) are left as they are.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -46,10 +47,10 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> str | None:
 class PackedLinearForward:
     """``x (..., in) → (..., out)``: one linear layer against its oneDNN-packed weight."""
 
-    __slots__ = ("linear", "packed")
+    __slots__ = ("linear", "packed", "op")
 
     def __init__(self, linear: torch.nn.Linear, batch_hint: int) -> None:
-        self.linear = linear
+        self.linear, self.op = linear, _packed_linear_op()  # resolved here: a compiled step never traces the lookup
         with torch.no_grad():
             # the hint picks the blocked layout; any row count runs against it (measured: within noise)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
@@ -61,7 +62,25 @@ class PackedLinearForward:
         if x.dtype != linear.weight.dtype:  # the plain op's error, not oneDNN's
             raise RuntimeError(f"expected input dtype {linear.weight.dtype}, got {x.dtype}")
         bias = linear.bias.detach() if linear.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        out = self.op(x.reshape(-1, x.shape[-1]), self.packed, bias)  # (rows, out)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_linear_op() -> Any:
+    """``raylens::packed_linear(x (rows, in), packed, bias) → (rows, out)``: oneDNN's op behind a
+    custom op, so that a compiled decode step (``graph_decode: compile``) calls it as it is —
+    inductor lowers ``mkldnn._linear_pointwise`` only for weights it froze itself."""
+
+    @torch.library.custom_op("raylens::packed_linear", mutates_args=())
+    def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    @packed_linear.register_fake
+    def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((x.shape[0], packed.shape[0]))
+
+    return packed_linear
 
 
 def prepack_linears(model: Any, *, batch_hint: int) -> int:

@@ -33,8 +33,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-modes", action="store_true",
                    help="instead: backend.graph_decode off / static / compile side by side, compile time included "
                         "(with --concurrency N: 1 and N requests; default 8)")
-    p.add_argument("--random-model", choices=["llama31-8b"],
-                   help="on a CUDA machine: benchmark this architecture with random bf16 weights (built once)")
+    p.add_argument("--random-model", choices=["llama31-8b", "near-free"],
+                   help="benchmark this architecture with random weights, built once: llama31-8b in bf16 on a CUDA "
+                        "machine, near-free (2 layers of width 64) in float32 on the CPU")
+    p.add_argument("--hf-static-at", type=int, action="append", metavar="N",
+                   help="on CUDA: run HF's static-cache rows only at these N (each batch shape compiles 40-90 s); "
+                        "default every N")
     p.add_argument("--host-overhead", action="store_true",
                    help="instead: the engine's own work per request-step, on a near-free model (2 layers of width "
                         "64, the embedded vocabulary, random weights, built on the CPU): transformers' padded "
@@ -130,6 +134,7 @@ def run_cli(args: argparse.Namespace) -> int:
         if concurrency:
             report = {"concurrency": run_concurrency_bench(engine, concurrency=concurrency,
                                                            new_tokens=args.new_tokens, repeats=args.repeats,
+                                                           hf_static=getattr(args, "hf_static_at", None),
                                                            progress=progress)}
             print(format_concurrency(report["concurrency"]))
             _write_report(args.out, report)
