@@ -62,9 +62,9 @@ step "device and versions"
 '| cuda', torch.version.cuda, '| transformers', transformers.__version__)"; } | tee "$OUT/env.txt"
 
 if [ "$MODE" = gpu ]; then
-    MODEL=llama31-8b; CONCURRENCY=(1 32 64 128); REPEATS=2
+    MODEL=llama31-8b; CONCURRENCY=(32 64 128); REPEATS=2  # one request: the bench's single-stream rows
 else
-    MODEL=near-free; CONCURRENCY=(1 8); REPEATS=1
+    MODEL=near-free; CONCURRENCY=(8); REPEATS=1
 fi
 ARGS=(); for n in "${CONCURRENCY[@]}"; do ARGS+=(--concurrency "$n"); done
 

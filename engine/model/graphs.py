@@ -22,10 +22,15 @@ hidden states and attention patterns the graph writes out):
 
 ``capture=False`` runs exactly the same static-buffer code eagerly (the CPU tests' path, and the
 fallback when capture is unavailable); prefill and multi-token forced chunks always run eagerly.
-``compile=True`` runs that code through ``torch.compile`` (inductor, fixed shapes): on the embedded
-model on 2 CPU cores a step is ~1.15× faster once compiled, but each decode shape costs ~45 s of
-compiling, so eager stays the CPU default and compiling is for long CPU runs. A shape whose compile
-fails decodes eagerly, with identical outputs.
+``compile=True`` runs that code through ``torch.compile`` (inductor, fixed shapes; the prepacked
+GEMMs of :mod:`engine.model.prepack` stay opaque calls in it): fused elementwise work and no
+per-op dispatch make a single-stream CPU step faster, but every decode shape compiles once per
+machine (kept on disk, :mod:`engine.model.compile_cache`) and is traced again at its first use in
+every process, so eager stays the CPU default (README: "The forward on a CPU" has the figures). A
+shape whose compile fails decodes eagerly, with identical outputs.
+
+With a paged kernel (:mod:`engine.model.paged_attention`) the graph's attention reads the pool in
+place through the static tables, the rows' context lengths computed from the static positions.
 """
 
 from __future__ import annotations
@@ -99,7 +104,7 @@ class StaticDecode:
         self.graph = None
         self.capture_error: str | None = None
         self.compile_error: str | None = None
-        self._step = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        self._step = _compiled(self._forward) if compile else self._forward
         try:
             self.outputs = self._step()  # first run: allocations, lazy initialisation, the compile
         except Exception as err:
@@ -167,6 +172,21 @@ class StaticDecode:
         return DecodeOutputs(out.logits[:n].clone(), (out.top[0][:n].clone(), out.top[1][:n].clone()),
                              {k: v[:n].clone() for k, v in out.hidden.items()},
                              {k: v[:n].clone() for k, v in out.patterns.items()})
+
+
+# Every StaticDecode compiles the same function (its ``_forward``) for its own shape; dynamo keeps at
+# most ``recompile_limit`` (8) compiled versions of one function and runs the next shape eagerly,
+# silently. A run meets batch buckets × length buckets × capture plans: room for that many.
+MAX_COMPILED_SHAPES = 64
+
+
+def _compiled(forward: Any) -> Any:
+    compiled = torch.compile(forward, dynamic=False)
+
+    def step() -> "DecodeOutputs":
+        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES):
+            return compiled()
+    return step
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ no request or block state — each step's :class:`~engine.model.backend.ForwardB
 row's block table, the pool's size and the copies to make (the scheduler's KV manager decides
 them, :mod:`engine.core.kv_manager`).
 
+On a CPU the linear layers run on oneDNN-prepacked weights (:mod:`engine.model.prepack`); where a
+paged kernel serves the model (CUDA) attention reads the KV pool in place instead of a gathered
+copy (:mod:`engine.model.paged_attention`).
+
 A step's rows are grouped by how many tokens they feed: every one-token row (decode) shares one
 forward; a row feeding several tokens (a prefill, or a forced chunk) is a prefill-shaped forward of
 its own. Shapes: ``ids (B, q)``, ``mask (B, 1, q, kv)``, logits ``(B, V)`` float32.

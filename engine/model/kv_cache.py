@@ -12,7 +12,9 @@ shapes:
   row's own position (stale entries after a Backtrack, padding);
 * Backtrack is moving the request's position back; blocks wholly past the new end go back to the
   pool (:mod:`engine.model.kv_blocks`), the rest are overwritten as the request feeds again;
-* requests of different lengths share one batched forward: each row has its own table.
+* requests of different lengths share one batched forward: each row has its own table;
+* where a paged kernel serves the model (:mod:`engine.model.paged_attention`) nothing is gathered:
+  the kernel reads each row's blocks through its table.
 
 Block 0 is the scratch block no request owns: left-padding columns, the padding rows of a static
 decode bucket and table entries past a request's end point there, so they never touch a live

@@ -110,7 +110,9 @@ def run_cli(args: argparse.Namespace) -> int:
         # near-free model has two layers
         overrides = _random_model_overrides("near-free", None, progress, hidden_state_layer=1)
     if getattr(args, "random_model", None):
-        overrides = _random_model_overrides(args.random_model, getattr(args, "tokenizer", None), progress)
+        # the near-free model has two layers: its events carry the last
+        layer = {"hidden_state_layer": 1} if args.random_model == "near-free" else {}
+        overrides = _random_model_overrides(args.random_model, getattr(args, "tokenizer", None), progress, **layer)
     # the rows compare raylens with peers (HF generate) and repeat the same prompts: a prefix-cache
     # hit would make raylens' repeats nearly free, so the cache is off (--prefix measures it)
     overrides.setdefault("backend", {})["prefix_caching"] = False
