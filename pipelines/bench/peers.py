@@ -87,6 +87,7 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
     from .measure import _machine
 
     variants = VARIANTS if variants is None else variants
+    load_before = os.getloadavg()  # a shared machine's load moves these rows, vLLM's most: recorded with them
 
     base = config if isinstance(config, RaylensConfig) else load_config(config)
 
@@ -197,6 +198,7 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
     for name, values in runs.items():
         path, n = name.split("|")
         rows.append({"path": path, "concurrency": int(n), "tokens_per_s": statistics.median(values), "runs": values})
+    machine["load_average_1_5_15"] = {"before": load_before, "after": os.getloadavg()}
     return {"model": model_id, "new_tokens": new_tokens, "repeats": repeats, "machine": machine,
             "capture": f"hidden states and attention at layer {cfg.backend.hidden_state_layer}", "rows": rows}
 
