@@ -91,17 +91,19 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
 
     base = config if isinstance(config, RaylensConfig) else load_config(config)
 
-    def engine_config(**backend: Any) -> Any:
+    def engine_config(only: tuple[int, ...] | None = None, **backend: Any) -> Any:
+        # positions: the prompts and their new tokens (a static decode allocates its pool whole:
+        # max_batch × max_sequence, 12 GB at the model's 8,192 positions and 32 requests)
         return dataclasses.replace(
-            base, backend=dataclasses.replace(base.backend, prefix_caching=False,
-                                              max_batch=max(max(concurrency), base.backend.max_batch), **backend),
+            base, backend=dataclasses.replace(base.backend, prefix_caching=False, max_sequence=new_tokens + 448,
+                                              max_batch=max(only or concurrency), **backend),
             activations=dataclasses.replace(base.activations, enabled=False),
             sae=dataclasses.replace(base.sae, enabled=False))
 
     cfg = engine_config()
     with ExitStack() as stack:
         engine = stack.enter_context(Engine(cfg))
-        others = {name: (stack.enter_context(Engine(engine_config(**overrides))), only)
+        others = {name: (stack.enter_context(Engine(engine_config(only, **overrides))), only)
                   for name, (overrides, only) in variants.items()}
         backend = engine.backend
         model_dir = resolve_model_path(backend.info.model_id, backend.config.model_cache_dir)
