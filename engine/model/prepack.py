@@ -5,9 +5,11 @@ On a CPU torch runs ``nn.Linear`` through MKL's ``sgemm``, which re-reads the we
 GEMM kernels stream best and then multiply against that copy: the same arithmetic (a float32
 accumulation of the same products; results differ from MKL's only by the order of additions,
 ~1e-7 relative), but on this project's 2-core AVX-512 CPU the embedded model's linear layers run
-~1.9x faster for 8 and 32 rows and no slower for one row (measured per layer shape, one thread:
-the estimate of a decode step's GEMMs is 47 → 27 ms at 8 rows, 106 → 71 ms at 32). This is what
-vLLM's CPU backend does with its prepacked GEMMs, taken from torch itself
+~1.9x faster for 8 and 32 rows (measured per layer shape, one thread:
+the estimate of a decode step's GEMMs is 47 → 27 ms at 8 rows, 106 → 71 ms at 32; a whole decode
+step of 8 requests run from the step loop's thread, two threads, 109 → 77 ms). A lone row (one
+request decoding) keeps MKL's GEMM, which measured faster there from the step loop's thread.
+This is what vLLM's CPU backend does with its prepacked GEMMs, taken from torch itself
 (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``); inductor's own weight
 prepacking (``freezing``) packs float32 weights for MKL instead, which measured no faster here.
 
@@ -59,6 +61,11 @@ class PackedLinearForward:
         linear = self.linear
         if torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad):
             return torch.nn.functional.linear(x, linear.weight, linear.bias)  # autograd needs the plain op
+        if x.numel() == x.shape[-1]:
+            # one row (a lone request's decode step): called from the step loop's thread, oneDNN's
+            # packed GEMM measured slower than MKL's (64 vs 61 ms a step; faster only from the main
+            # thread), while from two rows on it wins in either thread
+            return torch.nn.functional.linear(x, linear.weight, linear.bias)
         if x.dtype != linear.weight.dtype:  # the plain op's error, not oneDNN's
             raise RuntimeError(f"expected input dtype {linear.weight.dtype}, got {x.dtype}")
         bias = linear.bias.detach() if linear.bias is not None else None

@@ -1,5 +1,6 @@
 """Benchmark: the model's linear layers on torch's default CPU GEMM (MKL's ``sgemm``) against the
-oneDNN-prepacked weights ``backend.weight_prepack`` uses (``raylens bench --linear-kernels``).
+oneDNN-prepacked weights ``backend.weight_prepack`` uses, and MKL's own packed GEMM (what
+inductor's ``freezing`` packs a float32 weight as) (``raylens bench --linear-kernels``).
 
 For every distinct ``(out, in)`` shape of the loaded model's ``nn.Linear`` layers and each row
 count ``M`` (a decode step of M requests), both kernels multiply the same random input, timed
@@ -41,7 +42,7 @@ def run_linear_bench(engine: Any, *, rows: tuple[int, ...] = (1, 8, 32), repeats
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for m in rows:
-            plain_total = packed_total = 0.0
+            plain_total = packed_total = mkl_total = 0.0
             worst = 0.0
             for (o, i), count in shapes.items():
                 linear = torch.nn.Linear(i, o, bias=False)
@@ -54,7 +55,12 @@ def run_linear_bench(engine: Any, *, rows: tuple[int, ...] = (1, 8, 32), repeats
                 fast = _quartile(lambda: packed(x), repeats)
                 plain_total += count * plain
                 packed_total += count * fast
+                if torch._C.has_mkl:  # what inductor's freezing packs a float32 weight as
+                    mkl = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight, max(rows))
+                    mkl_total += count * _quartile(
+                        lambda: torch.ops.mkl._mkl_linear(x, mkl, linear.weight, None, max(rows)), repeats)
             out["rows"].append({"rows": m, "mkl_ms": 1e3 * plain_total, "onednn_packed_ms": 1e3 * packed_total,
+                                "mkl_packed_ms": 1e3 * mkl_total if mkl_total else None,
                                 "speedup": plain_total / packed_total, "max_relative_difference": worst})
             progress(f"{m:>4} rows: MKL {1e3 * plain_total:.1f} ms, oneDNN packed {1e3 * packed_total:.1f} ms")
     return out
@@ -64,8 +70,10 @@ def format_linear(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']}, {report['threads']} threads; linear shapes (out x in: layers) "
              f"{report['shapes']}", "",
              "| rows (requests in a decode step) | MKL `sgemm` (ms per step) | oneDNN prepacked (ms) | speed-up | "
-             "largest difference / output scale |", "|---:|---:|---:|---:|---:|"]
+             "MKL packed, as inductor's freezing packs (ms) | largest difference / output scale |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for row in report["rows"]:
+        mkl = row.get("mkl_packed_ms")
         lines.append(f"| {row['rows']} | {row['mkl_ms']:.1f} | {row['onednn_packed_ms']:.1f} | {row['speedup']:.2f}x | "
-                     f"{row['max_relative_difference']:.1e} |")
+                     f"{'' if mkl is None else f'{mkl:.1f}'} | {row['max_relative_difference']:.1e} |")
     return "\n".join(lines)
