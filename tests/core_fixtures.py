@@ -28,6 +28,10 @@ from tests.helpers import TEST_MODS, build_config
 FIXTURE = Path(__file__).resolve().parent / "data" / "core_fixtures.json"
 IGNORED_PAYLOAD_KEYS = {"created_at", "completed_at", "execution_time_ms", "request_id"}
 NEW_TOKENS = 12
+# The forward the fixture was recorded on: torch's default GEMM (MKL's sgemm), gathering attention,
+# eager decode. Other forward paths (the default oneDNN-prepacked weights among them) are held to
+# this one by tests/integration/test_forward_paths.py, on the same scenarios.
+RECORDED_FORWARD = {"weight_prepack": "off", "paged_attention": "off", "graph_decode": "off"}
 BATCH_PROMPTS = {
     "logits": ("What is the capital of France?", "forward_pass/adjust_logits.py"),
     "backtrack": ("What is the capital of France?", "sampled/backtrack.py"),
@@ -140,12 +144,13 @@ def record(engine: Any, small: Any, sae_engine: Any) -> dict[str, Any]:
     return out
 
 
-def build_engines(tmp: Path) -> tuple[Any, Any, Any]:
+def build_engines(tmp: Path, **backend: Any) -> tuple[Any, Any, Any]:
+    """The three engines :func:`record` runs on, with ``backend`` overrides (a forward path)."""
     from engine import Engine
 
-    engine = Engine(build_config())
-    small = Engine(build_config(kv_block_size=8, max_step_tokens=24))
-    cfg = build_config()
+    engine = Engine(build_config(**backend))
+    small = Engine(build_config(kv_block_size=8, max_step_tokens=24, **backend))
+    cfg = build_config(**backend)
     cfg = dataclasses.replace(
         cfg, activations=dataclasses.replace(cfg.activations, enabled=True, db_path=str(tmp / "fixtures.duckdb")),
         sae=dataclasses.replace(cfg.sae, enabled=True, mode="inline", block_steps=4))
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m tests.core_fixtures --write   (records tests/data/core_fixtures.json)")
         return 2
     with tempfile.TemporaryDirectory() as tmp:
-        engine, small, sae_engine = build_engines(Path(tmp))
+        engine, small, sae_engine = build_engines(Path(tmp), **RECORDED_FORWARD)
         try:
             data = record(engine, small, sae_engine)
         finally:

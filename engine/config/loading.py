@@ -49,6 +49,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "layer whose hidden states and attention events carry"),
     EnvVar("RAYLENS_MODEL_CACHE", "backend.model_cache_dir", str,
            "directory for converted embedded models"),
+    EnvVar("RAYLENS_COMPILE_CACHE", "backend.compile_cache_dir", str,
+           "directory for compiled decode steps (graph_decode: compile)"),
     EnvVar("HF_TOKEN", "backend.hf_token", _optional_str, "HuggingFace token for gated hub models"),
     EnvVar("QUOTE_LOG_INGEST_URL", "ingest.url", _optional_str,
            "ingest endpoint (e.g. http://localhost:6767/v1/ingest); empty: do not send"),

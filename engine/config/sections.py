@@ -45,6 +45,18 @@ class BackendConfig:
     # "static" runs the static-buffer path without capture, "compile" runs it through torch.compile
     # (a compile per decode shape; pays off on long CPU runs only), "off" is always eager
     graph_decode: Literal["auto", "static", "compile", "off"] = "auto"
+    # linear layers on oneDNN-prepacked weights (engine/model/prepack.py): "auto" packs on a CPU
+    # (float32/bfloat16; the packed copy costs the linear weights' size once more in memory), "off"
+    # keeps torch's default GEMM
+    weight_prepack: Literal["auto", "off"] = "auto"
+    # graph_decode: compile keeps inductor's compiled kernels here, so they are built once per
+    # machine (engine/model/compile_cache.py); None: <user cache dir>/raylens/inductor
+    compile_cache_dir: str | None = None
+    # attention reading the paged KV pool in place (engine/model/paged_attention.py): "auto" takes
+    # torch's paged FlashAttention varlen kernel, else flash-attn's, on CUDA (float16/bfloat16,
+    # kv_block_size a multiple of 256) and gathers each row's keys/values elsewhere; "reference"
+    # is the same call in plain torch ops (slow: for checking); "off" always gathers
+    paged_attention: Literal["auto", "torch", "flash_attn", "reference", "off"] = "auto"
     # tokens one step's forward may feed: every running request's next token first, then chunks
     # of new prompts up to this budget (a long prompt is prefilled over several steps, so no
     # stream waits for another request's whole prefill); at least max_batch, so decoding always fits
@@ -81,6 +93,9 @@ class BackendConfig:
             ("initial_cache_tokens", self.initial_cache_tokens >= 1, ">= 1"),
             ("graph_decode", self.graph_decode in ("auto", "static", "compile", "off"),
              "one of auto, static, compile, off"),
+            ("weight_prepack", self.weight_prepack in ("auto", "off"), "one of auto, off"),
+            ("paged_attention", self.paged_attention in ("auto", "torch", "flash_attn", "reference", "off"),
+             "one of auto, torch, flash_attn, reference, off"),
             ("max_step_tokens", isinstance(self.max_step_tokens, int) and not isinstance(self.max_step_tokens, bool)
              and self.max_step_tokens >= (self.max_batch if isinstance(self.max_batch, int) else 1),
              f">= max_batch ({self.max_batch}: every running request feeds one token per step); raise it or "
@@ -379,7 +394,8 @@ class RaylensConfig:
             activations=dataclasses.replace(self.activations, db_path=absolute(self.activations.db_path),
                                             parquet_path=absolute(self.activations.parquet_path)),
             ingest=dataclasses.replace(self.ingest, spool_dir=absolute(self.ingest.spool_dir)),
-            backend=dataclasses.replace(self.backend, model_cache_dir=absolute(self.backend.model_cache_dir)),
+            backend=dataclasses.replace(self.backend, model_cache_dir=absolute(self.backend.model_cache_dir),
+                                        compile_cache_dir=absolute(self.backend.compile_cache_dir)),
             sae=dataclasses.replace(self.sae, sae_id=sae_id),
         )
 

@@ -35,6 +35,7 @@ import torch
 
 from engine.errors import InvalidRequestError, LayerOutOfRangeError
 from engine.model.hook_names import HookName, attn_pattern, parse_hook_name, resid_post
+from engine.model.paged_attention import PAGED_KWARG
 
 __all__ = [
     "CapturePlan",
@@ -199,8 +200,10 @@ def _capture_attention_forward(module: Any, query: torch.Tensor, key: torch.Tens
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     capture: AttentionCapture | None = kwargs.pop(CAPTURE_KWARG, None)
+    paged = kwargs.pop(PAGED_KWARG, None)  # key/value are then the layer's whole pool (engine/model/paged_attention.py)
     softcap: float | None = kwargs.pop("softcap", None)
-    kwargs.pop("sliding_window", None)  # the mask we (or transformers' mask functions) built carries the window
+    # the mask we (or transformers' mask functions) built carries the window; a paged kernel takes it itself
+    sliding_window = kwargs.pop("sliding_window", None)
     scale = scaling if scaling is not None else module.scaling
     groups = getattr(module, "num_key_value_groups", 1)  # GPT-2 and GPT-NeoX have no grouped heads
     if capture is not None:
@@ -209,10 +212,13 @@ def _capture_attention_forward(module: Any, query: torch.Tensor, key: torch.Tens
             every = len(rows) == capture.batch_size
             index = None if every else torch.tensor(rows, device=query.device)
             pick = (lambda t: t) if every else (lambda t: t.index_select(0, index))
+            keys = key if paged is None else paged.gathered(key)  # (B, g, kv, hd): this layer's rows only
             capture.patterns[module.layer_idx] = attention_pattern(
-                pick(query), pick(key), pick(attention_mask) if attention_mask is not None else None,
+                pick(query), pick(keys), pick(attention_mask) if attention_mask is not None else None,
                 scale, groups, newest_row_only=not capture.all_query_rows, softcap=softcap,
             )
+    if paged is not None:
+        return paged.attend(query, key, value, scale, sliding_window), None
     if softcap is not None:
         return _softcapped_attention(query, key, value, attention_mask, scale, groups, softcap)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

@@ -22,10 +22,15 @@ hidden states and attention patterns the graph writes out):
 
 ``capture=False`` runs exactly the same static-buffer code eagerly (the CPU tests' path, and the
 fallback when capture is unavailable); prefill and multi-token forced chunks always run eagerly.
-``compile=True`` runs that code through ``torch.compile`` (inductor, fixed shapes): on the embedded
-model on 2 CPU cores a step is ~1.15× faster once compiled, but each decode shape costs ~45 s of
-compiling, so eager stays the CPU default and compiling is for long CPU runs. A shape whose compile
-fails decodes eagerly, with identical outputs.
+``compile=True`` runs that code through ``torch.compile`` (inductor, fixed shapes; the prepacked
+GEMMs of :mod:`engine.model.prepack` stay opaque calls in it): fused elementwise work and no
+per-op dispatch make a single-stream CPU step faster, but every decode shape compiles once per
+machine (kept on disk, :mod:`engine.model.compile_cache`) and is traced again at its first use in
+every process, so eager stays the CPU default (README: "The forward on a CPU" has the figures). A
+shape whose compile fails decodes eagerly, with identical outputs.
+
+With a paged kernel (:mod:`engine.model.paged_attention`) the graph's attention reads the pool in
+place through the static tables, the rows' context lengths computed from the static positions.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from engine.model.capture import CAPTURE_KWARG, AttentionCapture, hidden_states_
 from engine.model.kv_cache import (SCRATCH_BLOCK, BatchCacheView, PagedKVCache, cache_argument, read_slots,
                                    write_slots)
 from engine.model.masks import AttentionMasks
+from engine.model.paged_attention import PAGED_KWARG, PagedBatch, PagedCacheView, PagedKernel
 
 __all__ = ["GraphKey", "StaticDecode", "batch_bucket", "length_bucket"]
 
@@ -78,7 +84,7 @@ class StaticDecode:
     """Static buffers (and on CUDA the captured graph) of one decode shape."""
 
     def __init__(self, model: Any, cache: PagedKVCache, key: GraphKey, *, capture: bool, pool: Any = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, paged: PagedKernel | None = None) -> None:
         self.model, self.key, self.cache = model, key, cache
         self.masks = AttentionMasks.of(model)  # model families: sliding layers get their own mask
         device = cache.device
@@ -91,12 +97,14 @@ class StaticDecode:
         self.positions = self.inputs[:, 1:2]  # (B, 1)
         self.tables = self.inputs[:, 2:]  # (B, blocks)
         self.key_positions = torch.arange(length, device=device)  # (L,)
+        self.paged = paged  # a kernel reading the pool in place (engine/model/paged_attention.py), or None
+        self.query_starts = torch.arange(b + 1, dtype=torch.int32, device=device)  # (B+1,): one query per row
         self.attention = AttentionCapture({layer: list(range(b)) for layer in key.attention_layers}, b, False) \
             if key.attention_layers else None
         self.graph = None
         self.capture_error: str | None = None
         self.compile_error: str | None = None
-        self._step = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        self._step = _compiled(self._forward) if compile else self._forward
         try:
             self.outputs = self._step()  # first run: allocations, lazy initialisation, the compile
         except Exception as err:
@@ -116,9 +124,13 @@ class StaticDecode:
     def _forward(self) -> "DecodeOutputs":
         mask = self.masks.build(self.key_positions, self.positions)  # (B, 1, 1, L), per layer type where needed
         bs = self.cache.block_size
-        view = BatchCacheView(self.cache, write_slots(self.tables, self.positions, bs),
-                              read_slots(self.tables, self.key.kv_len, bs), self.key.kv_len)
+        view: Any = BatchCacheView(self.cache, write_slots(self.tables, self.positions, bs),
+                                   read_slots(self.tables, self.key.kv_len, bs), self.key.kv_len)
         kwargs: dict[str, Any] = {}
+        if self.paged is not None:
+            batch = PagedBatch.for_decode(self.paged, self.tables, self.positions, self.query_starts,
+                                          self.key.kv_len, view.read_index)
+            view, kwargs[PAGED_KWARG] = PagedCacheView(self.cache, view.write_index, batch), batch
         if self.key.hidden_layers:
             kwargs["output_hidden_states"] = [hidden_states_index(layer) for layer in self.key.hidden_layers]
         if self.attention is not None:
@@ -160,6 +172,21 @@ class StaticDecode:
         return DecodeOutputs(out.logits[:n].clone(), (out.top[0][:n].clone(), out.top[1][:n].clone()),
                              {k: v[:n].clone() for k, v in out.hidden.items()},
                              {k: v[:n].clone() for k, v in out.patterns.items()})
+
+
+# Every StaticDecode compiles the same function (its ``_forward``) for its own shape; dynamo keeps at
+# most ``recompile_limit`` (8) compiled versions of one function and runs the next shape eagerly,
+# silently. A run meets batch buckets × length buckets × capture plans: room for that many.
+MAX_COMPILED_SHAPES = 64
+
+
+def _compiled(forward: Any) -> Any:
+    compiled = torch.compile(forward, dynamic=False)
+
+    def step() -> "DecodeOutputs":
+        with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES):
+            return compiled()
+    return step
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ no request or block state — each step's :class:`~engine.model.backend.ForwardB
 row's block table, the pool's size and the copies to make (the scheduler's KV manager decides
 them, :mod:`engine.core.kv_manager`).
 
+On a CPU the linear layers run on oneDNN-prepacked weights (:mod:`engine.model.prepack`); where a
+paged kernel serves the model (CUDA) attention reads the KV pool in place instead of a gathered
+copy (:mod:`engine.model.paged_attention`).
+
 A step's rows are grouped by how many tokens they feed: every one-token row (decode) shares one
 forward; a row feeding several tokens (a prefill, or a forced chunk) is a prefill-shaped forward of
 its own. Shapes: ``ids (B, q)``, ``mask (B, 1, q, kv)``, logits ``(B, V)`` float32.
@@ -18,6 +22,7 @@ its own. Shapes: ``ids (B, q)``, ``mask (B, 1, q, kv)``, logits ``(B, V)`` float
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -35,15 +40,20 @@ from engine.model.capture import (
     hidden_states_index,
     split_rows,
 )
+from engine.model.compile_cache import use_compile_cache
 from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
 from engine.model.hook_names import resid_post
 from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
 from engine.model.masks import AttentionMasks
+from engine.model.paged_attention import PAGED_KWARG, PagedBatch, PagedCacheView, select_kernel
+from engine.model.prepack import prepack_linears
 from engine.model.taps import taps_of
 
 __all__ = ["HuggingFaceBackend"]
+
+log = logging.getLogger("raylens.backend")
 
 
 class HuggingFaceBackend:
@@ -62,6 +72,10 @@ class HuggingFaceBackend:
             model_id, cache_dir=config.model_cache_dir, device=self.device, dtype=self.dtype,
             attn_implementation=ensure_attention_registered(), hf_token=config.hf_token,
         )
+        # oneDNN-packed linear weights on a CPU (engine/model/prepack.py); before the taps, which
+        # hook modules and never read a forward
+        self.prepacked = prepack_linears(self.model, batch_hint=config.max_batch) \
+            if config.weight_prepack == "auto" else 0
         self._taps = taps_of(self.model)  # every named internal's module, resolved once for this model
         self._masks = AttentionMasks.of(self.model, self._taps.family)  # model families: sliding layers' masks
         mc = self.model.config
@@ -85,6 +99,8 @@ class HuggingFaceBackend:
         mode = config.graph_decode
         self._graph_capture = mode == "auto" and self.device.type == "cuda"
         self._compile_decode = mode == "compile"
+        if self._compile_decode:  # compiled kernels kept on disk: built once per machine
+            self.compile_cache = use_compile_cache(config.compile_cache_dir)
         self._static_decode = self._graph_capture or mode in ("static", "compile")
         bs = config.kv_block_size
         max_blocks = -(-(config.kv_cache_tokens or config.max_batch * self._max_sequence) // bs) + 1  # + scratch
@@ -94,6 +110,11 @@ class HuggingFaceBackend:
                                   head_dim=head_dim, block_size=bs, blocks=blocks, max_blocks=max_blocks,
                                   dtype=self.dtype, device=self.device)
         self._kv_layout = KVLayout(bs, self.cache.num_blocks, max_blocks, self.cache.block_nbytes())
+        # a kernel that reads the pool in place, where one serves this model here (else each step gathers)
+        self.paged_kernel, self.paged_reason = select_kernel(
+            config.paged_attention, device=self.device, dtype=self.dtype, block_size=bs,
+            softcapped=getattr(mc, "attn_logit_softcapping", None) is not None)
+        log.info("attention: %s", self.paged_reason)
         self._graphs: dict[GraphKey, StaticDecode] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_capture else None
         self.graph_stats = {"static_steps": 0, "eager_steps": 0, "graphs": 0}
@@ -188,7 +209,8 @@ class HuggingFaceBackend:
         decode = self._graphs.get(key)
         if decode is None:
             decode = self._graphs[key] = StaticDecode(self.model, self.cache, key, capture=self._graph_capture,
-                                                      pool=self._graph_pool, compile=self._compile_decode)
+                                                      pool=self._graph_pool, compile=self._compile_decode,
+                                                      paged=self.paged_kernel)
             self.graph_stats["graphs"] = len(self._graphs)
         out = decode.run([r.tokens[0] for r in rows], starts, [r.table for r in rows])
         self.graph_stats["static_steps"] += 1
@@ -229,9 +251,14 @@ class HuggingFaceBackend:
         if capture is not None:
             kwargs[CAPTURE_KWARG] = capture
         scoring = rows[0].targets is not None  # execute() runs scored rows as a group of their own
+        cache: Any = view
+        if self.paged_kernel is not None:  # the kernel reads the pool in place; nothing is gathered
+            paged = PagedBatch.for_rows(self.paged_kernel, view.tables, starts, lengths, view.read_index)
+            cache = PagedCacheView(self.cache, view.write_index, paged)
+            kwargs[PAGED_KWARG] = paged
         with torch.inference_mode(), self._steering(rows):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                             logits_to_keep=0 if scoring else 1, **cache_argument(self.model, view), **kwargs)
+                             logits_to_keep=0 if scoring else 1, **cache_argument(self.model, cache), **kwargs)
             logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
             top = top_logprobs(logits) if any(r.top for r in rows) else None
             scores = tuple(score_positions(out.logits[b, q - len(r.tokens):], r.targets, r.score_top_k)  # type: ignore[arg-type]

@@ -12,7 +12,9 @@ shapes:
   row's own position (stale entries after a Backtrack, padding);
 * Backtrack is moving the request's position back; blocks wholly past the new end go back to the
   pool (:mod:`engine.core.kv_manager`), the rest are overwritten as the request feeds again;
-* requests of different lengths share one batched forward: each row has its own table.
+* requests of different lengths share one batched forward: each row has its own table;
+* where a paged kernel serves the model (:mod:`engine.model.paged_attention`) nothing is gathered:
+  the kernel reads each row's blocks through its table.
 
 Block 0 is the scratch block no request owns: left-padding columns, the padding rows of a static
 decode bucket and table entries past a request's end point there, so they never touch a live
@@ -101,6 +103,7 @@ class BatchCacheView:
     write_index: torch.Tensor  # (B*q,) long, on the cache's device
     read_index: torch.Tensor  # (B, kv_len) long
     kv_len: int
+    tables: torch.Tensor | None = None  # (B, ceil(kv_len / block_size)) long: what a paged kernel reads by
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: Sequence[Sequence[int]], starts: Sequence[int],
@@ -121,7 +124,7 @@ class BatchCacheView:
         device = cache.device
         table_t = torch.tensor(padded, dtype=torch.long, device=device)  # (B, nb)
         view = cls(cache, torch.tensor(writes, dtype=torch.long, device=device),
-                   read_slots(table_t, kv_len, bs), kv_len)
+                   read_slots(table_t, kv_len, bs), kv_len, table_t)
         return view, torch.tensor(positions, dtype=torch.long, device=device).view(len(tables), q)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,

