@@ -136,14 +136,20 @@ def serve_forever(config: RaylensConfig, settings: ServeSettings, address: str |
     for note in settings.startup_warnings():
         print(f"raylens: WARNING: {note}", file=sys.stderr, flush=True)
     ensure_ray(config, address)
-    print("raylens: starting the Serve replica and the generator actors (loading the model)…", file=sys.stderr,
-          flush=True)
-    url = deploy(config, settings)
-    print(f"raylens: serving {config.backend.model_id} at {url}  (viewer: {url}/, OpenAI: {url}/v1, "
-          f"attention API: {url}/api/v1). Ctrl-C stops.", file=sys.stderr, flush=True)
-    # after Ray's start: its own SIGTERM handler (installed by ray.init) would abort the process
+    # after Ray's start (ray.init installs a SIGTERM handler that aborts the process) and before the
+    # deploy: Serve's proxy answers as soon as the replica is up, while `serve.run` may still be
+    # waiting on the app's status, so a SIGTERM can come before the deploy returns
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print("raylens: starting the Serve replica and the generator actors (loading the model)…", file=sys.stderr,
+          flush=True)
+    try:
+        url = deploy(config, settings)
+    except BaseException:
+        signal.signal(signal.SIGTERM, previous)
+        raise
+    print(f"raylens: serving {config.backend.model_id} at {url}  (viewer: {url}/, OpenAI: {url}/v1, "
+          f"attention API: {url}/api/v1). Ctrl-C stops.", file=sys.stderr, flush=True)
     try:
         stop.wait()
     except KeyboardInterrupt:
