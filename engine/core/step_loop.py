@@ -45,6 +45,7 @@ from engine.core.scheduler import Entry, LoopStats, Scheduler, SchedulerOutput
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model.backend import Backend, ForwardBatch, ForwardRow, RowOutput
 from engine.model.capture import CapturePlan
+from engine.model.openmp import release_thread_team
 from engine.model.sampling import SampleResult, SampleRow, sample_rows
 from mods.manager import CallRunner
 
@@ -110,6 +111,7 @@ class StepLoop:
 
     def submit(self, entry: Entry, *, block: bool = True, timeout: float | None = None) -> None:
         """Queue ``entry``; with no room, wait (``block``) or raise :class:`QueueFullError`."""
+        self._hand_over_cpu()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -133,6 +135,7 @@ class StepLoop:
     def submit_job(self, job: Job) -> JobHandle:
         """Queue a job (:mod:`engine.core.jobs`): the loop runs one unit of it per step, between
         its forwards, until it ends, is cancelled or passes its deadline."""
+        self._hand_over_cpu()
         with self._cond:
             if self._closing:
                 raise EngineClosedError("the engine is closed; create a new one")
@@ -147,6 +150,7 @@ class StepLoop:
         pool's blocks are handed out)."""
         if threading.current_thread() is self._thread:
             return fn(self)
+        self._hand_over_cpu()
         future: Future = Future()
         with self._cond:
             if self._closing:
@@ -155,6 +159,13 @@ class StepLoop:
             self._ensure_thread()
             self._cond.notify_all()
         return future.result(timeout)
+
+    def _hand_over_cpu(self) -> None:
+        """A thread handing work to the loop gives back the OpenMP workers it kept from its own
+        torch work (loading the model, a warm-up, a baseline run): while they live, libgomp makes
+        every parallel op of the loop's forward wake its workers from sleep (engine/model/openmp.py)."""
+        if threading.current_thread() is not self._thread:
+            release_thread_team()
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
