@@ -27,7 +27,6 @@ def test_releasing_gives_back_the_calling_threads_workers():
     box: dict[str, int] = {}
 
     def in_a_fresh_thread() -> None:  # a thread of its own: the test runner's other teams stay as they are
-        before = _threads()
         work()
         box["with_team"] = _threads()
         box["released"] = release_thread_team()
