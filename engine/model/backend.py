@@ -26,7 +26,7 @@ from engine.model.capture import CapturePlan, RowCapture
 from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, HookSet
 
 __all__ = ["Backend", "ModelInfo", "KVLayout", "ForwardRow", "ForwardBatch", "ForwardOutput", "RowOutput", "TokenScores",
-           "ForwardRecord", "FORWARD_TOP_K", "top_logprobs"]
+           "ForwardRecord", "FORWARD_TOP_K", "top_logprobs", "vocab_topk_ids"]
 
 # Every forward's most likely next tokens, which observability payloads record per ForwardPass.
 # Computed once for the whole batch (inside the replayed graph on a GPU): per request, a
@@ -38,8 +38,36 @@ def top_logprobs(logits: Any, k: int = FORWARD_TOP_K) -> tuple[Any, Any]:
     """``logits (B, V)`` → the ``k`` largest log-probabilities ``(B, k)`` and their ids ``(B, k)``.
     (The top logits less a ``logsumexp`` would skip writing the ``(B, V)`` log-softmax, but on a
     CPU ``logsumexp`` alone costs three times the fused ``log_softmax``, and it rounds differently.)"""
-    values, indices = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-    return values, indices
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    k = min(k, logp.shape[-1])
+    if logp.device.type != "cpu":
+        return logp.topk(k, dim=-1)
+    indices = vocab_topk_ids(logp, k)
+    return logp.gather(1, indices), indices
+
+
+_CHUNK = 256  # ids per chunk of the exact two-stage top-k
+
+
+def vocab_topk_ids(scores: Any, k: int) -> Any:
+    """``scores (B, V)`` → the ids of each row's ``k`` largest, largest first, as ``topk`` gives them
+    (ties in any order, as ``topk``'s own). On a CPU ``topk`` over a whole vocabulary costs more than
+    the log-softmax before it (64 rows × 49,152: 2.1 ms against 1.2), so it runs in two exact stages:
+    the ``k`` chunks of 256 ids with the largest maxima hold the ``k`` largest scores (a score outside
+    them has ``k`` chunk maxima at least as large above it), and a ``topk`` over those chunks' ids
+    picks them (0.3 ms)."""
+    b, v = scores.shape
+    n = v // _CHUNK
+    if n <= 2 * k:  # a small vocabulary: one topk is as cheap
+        return scores.topk(k, dim=-1).indices
+    body = scores[:, :n * _CHUNK].view(b, n, _CHUNK)
+    chunks = body.amax(dim=-1).topk(k, dim=-1).indices  # (B, k)
+    candidates = body[torch.arange(b, device=scores.device)[:, None], chunks].reshape(b, k * _CHUNK)
+    if v > n * _CHUNK:  # the ids past the last whole chunk are candidates as they are
+        candidates = torch.cat([candidates, scores[:, n * _CHUNK:]], dim=1)
+    best = candidates.topk(k, dim=-1).indices  # positions among the candidates
+    in_chunk = chunks.gather(1, torch.clamp(best // _CHUNK, max=k - 1)) * _CHUNK + best % _CHUNK
+    return torch.where(best < k * _CHUNK, in_chunk, best - k * _CHUNK + n * _CHUNK)
 
 
 @dataclass(frozen=True)
