@@ -4,39 +4,61 @@ parallel op of the forward (engine/model/openmp.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+# In a process of its own: the test runner's other threads (Ray's, other tests' teams) come and go
+# and would blur a count of this thread's workers.
+_PROBE = """
+import json, os, threading, time
+import torch
 from engine.model.openmp import release_thread_team
 
-
-def _threads() -> int:
+def threads():
     return len(os.listdir("/proc/self/task"))
 
+box = {"torch_threads": torch.get_num_threads()}
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2
+def in_a_thread():
+    box["before"] = threads()
+    torch.randn(2_000_000).exp_()  # large enough for torch to split it over its threads
+    box["with_team"] = threads()
+    box["released"] = release_thread_team()
+    deadline = time.monotonic() + 10  # the workers exit on their own once told
+    while threads() >= box["with_team"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    box["after"] = threads()
+    box["again"] = release_thread_team()  # nothing held: still fine
+
+thread = threading.Thread(target=in_a_thread)
+thread.start()
+thread.join(60)
+print(json.dumps(box))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2
                     or "OpenMP" not in torch.__config__.parallel_info(),
-                    reason="needs Linux, torch on OpenMP and at least two intra-op threads")
+                    reason="needs Linux, torch on OpenMP and at least two cores")
 def test_releasing_gives_back_the_calling_threads_workers():
-    def work() -> None:
-        torch.randn(2_000_000).exp_()  # large enough for torch to split it over its threads
-
-    box: dict[str, int] = {}
-
-    def in_a_fresh_thread() -> None:  # a thread of its own: the test runner's other teams stay as they are
-        work()
-        box["with_team"] = _threads()
-        box["released"] = release_thread_team()
-        box["after"] = _threads()
-        box["again"] = release_thread_team()  # nothing held: still fine
-
-    thread = threading.Thread(target=in_a_fresh_thread)
-    thread.start()
-    thread.join(60)
-    assert box["with_team"] > box["after"], box  # positive control: the parallel op made workers
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    box = json.loads(done.stdout.strip().splitlines()[-1])
+    assert box["torch_threads"] == 2
+    assert box["with_team"] > box["before"], box  # positive control: the parallel op made workers
+    assert box["after"] < box["with_team"], box
     assert box["released"] and box["again"]
 
 
