@@ -332,8 +332,15 @@ def test_raylens_scale_adds_and_removes_replicas_without_dropping_a_request(ray_
         failed = [o for o in outcomes if not isinstance(o[1], int) or o[1] != 4]
         assert not failed, f"{len(failed)} of {len(outcomes)} requests failed across the scaling: {failed[:3]}"
         assert {replica for replica, _ in outcomes} == {new, next(iter(running_replicas(config).values()))}
-        wait_until(lambda: list(engine.replicas.handles) == list(running_replicas(config).values()), timeout=60,
-                   what="the server's replica set to drop the removed replica")
+
+        def replica_set_matches() -> bool:
+            # The set is looked at again when it is used (routing, stats, a metrics scrape), never by a
+            # thread of its own; the load has stopped here, so the test uses it as an idle server's
+            # scrape would (waiting on `handles` alone would wait on a view nobody refreshes).
+            engine.replicas.stats()
+            return list(engine.replicas.handles) == list(running_replicas(config).values())
+
+        wait_until(replica_set_matches, timeout=60, what="the server's replica set to drop the removed replica")
     finally:
         stop.set()
         engine.replicas.close()
