@@ -14,6 +14,7 @@ machine (:class:`~engine.core.machine.RequestMachine`) calls it with each phase'
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -69,7 +70,7 @@ class StepPlan:
     """What the ForwardPass/Sampled phase decided for the rest of the step."""
 
     logits: Any = None  # AdjustedLogits replacement (V,), torch, on device
-    argmax: Any = None  # its argmax (0-d, on device), found by the validity check's one pass
+    argmax: Any = None  # its argmax (an int, or 0-d on device), found by the validity check's one pass
     sampling: SamplingParams | None = None
     backtracked: bool = False
     reinject: list[int] = field(default_factory=list)
@@ -211,8 +212,13 @@ class PhaseActions:
         # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from; the same
         # pass finds the greedy choice (the first maximum, as argmax picks it)
         lent = getattr(action.logits, "lent", None)  # a whole row of the step's host copy, as a mod left it
-        best, where = lent[0].row_max(lent[1]) if lent is not None else logits.max(0)
-        if not bool(torch.isfinite(best)):
+        if lent is not None:  # Python numbers, read with every other lent row's
+            best, where = lent[0].row_max(lent[1])
+            finite = math.isfinite(best)
+        else:
+            best, where = logits.max(0)
+            finite = bool(torch.isfinite(best))
+        if not finite:
             return self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
                                     "finite entry; got NaN, +inf or -inf everywhere")
         temp = action.token_temp

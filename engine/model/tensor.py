@@ -26,6 +26,8 @@ import weakref
 import numpy as np
 import torch
 
+from .sampling import row_max
+
 __all__ = ["TensorShim", "HostLogits", "as_torch"]
 
 # the host copies HostLogits lent out, by the copy's id: from_numpy wraps a view of one without a
@@ -44,7 +46,7 @@ class HostLogits:
         self._host: np.ndarray | None = None
         self._lent: set[int] = set()
         self._lock = threading.Lock()  # mods of different requests may run on different threads
-        self._maxima: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._maxima: tuple[list[float], list[int]] | None = None
 
     def add(self, row: int) -> None:
         """Row ``row``'s mods may read it (before anything is lent)."""
@@ -78,13 +80,14 @@ class HostLogits:
         row_bytes = host.shape[1] * host.itemsize
         return offset // row_bytes if offset % row_bytes == 0 and array.flags.c_contiguous else None
 
-    def row_max(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def row_max(self, slot: int) -> tuple[float, int]:
         """``(maximum, its first index)`` of lent row ``slot`` as its mod left it. Every row at once,
-        in one pass, the first time it is asked: a phase's actions are applied after all of its
-        mod calls returned, so no row changes after that."""
+        in one pass and one read into Python numbers, the first time it is asked: a phase's actions
+        are applied after all of its mod calls returned, so no row changes after that."""
         with self._lock:
             if self._maxima is None:
-                self._maxima = torch.from_numpy(self._host).max(dim=-1)  # type: ignore[arg-type]  (M,)
+                values, indices = row_max(torch.from_numpy(self._host))  # type: ignore[arg-type]  (M,)
+                self._maxima = (values.tolist(), indices.tolist())
             values, indices = self._maxima
         return values[slot], indices[slot]
 

@@ -1,0 +1,51 @@
+"""row_max: each row's maximum and its first index, as ``max(dim=-1)`` gives them, found in two
+``amax`` stages on a CPU (the index-tracking reduction costs twenty times an ``amax``)."""
+
+import pytest
+import torch
+
+from engine.model.sampling import row_max
+
+
+def _same(scores: torch.Tensor) -> None:
+    values, indices = row_max(scores)
+    want_values, want_indices = scores.max(dim=-1)
+    assert torch.equal(values, want_values)
+    assert torch.equal(indices, want_indices), (indices, want_indices)
+
+
+@pytest.mark.parametrize("vocab", [49152, 49152 + 77, 1000, 513, 300, 7])
+def test_random_rows_match_max(vocab):
+    torch.manual_seed(vocab)
+    _same(torch.randn(9, vocab))
+
+
+def test_ties_take_the_first_maximum_across_chunks_and_the_tail():
+    v = 256 * 8 + 40
+    scores = torch.randn(6, v)
+    scores[0, [700, 300, 1900]] = 50.0  # equal maxima in three chunks: the first (300)
+    scores[1, [256 * 8 + 5, 256 * 8 + 30]] = 50.0  # only in the tail, twice: the first of them
+    scores[2, [256 * 8 + 5, 1000]] = 50.0  # in a chunk and in the tail: the chunk's comes first
+    scores[3, [3, 4, 5]] = 50.0  # adjacent in one chunk
+    scores[4] = float("-inf")  # nothing finite: index 0, as max gives it
+    scores[5, [10, 11]] = 0.0
+    scores[5, 10] = -0.0  # -0.0 == 0.0: the first of them
+    scores[5] = torch.where(scores[5] > 0, -scores[5], scores[5])
+    _same(scores)
+
+
+def test_lone_row_of_a_whole_chunk_vocabulary_and_a_max_at_each_end():
+    scores = torch.randn(2, 256 * 4)
+    scores[0, 0] = 9.0
+    scores[1, -1] = 9.0
+    _same(scores)
+
+
+def test_nan_and_inf_values_are_reported_for_the_caller_to_refuse():
+    scores = torch.randn(3, 256 * 3)
+    scores[0, 17] = float("nan")
+    scores[1, 600] = float("inf")
+    values, indices = row_max(scores)
+    assert torch.isnan(values[0]) and values[1] == float("inf") and int(indices[1]) == 600
+    assert torch.equal(values[2:], scores[2:].max(dim=-1).values)
+    assert torch.equal(indices[2:], scores[2:].max(dim=-1).indices)
