@@ -71,9 +71,13 @@ class ReplicaReport:
 
 
 def local_engine_config(config: RaylensConfig) -> RaylensConfig:
-    """The Engine inside the actor writes nothing itself: the actors around it do."""
+    """The Engine inside the actor writes nothing itself: the actors around it do. Its results
+    leave the actor without their events, so a finished step's logits are not kept
+    (``generation.keep_logits``): kept, every step's batch of logits would stay in memory until
+    the batch's requests finished."""
     return dataclasses.replace(
         config,
+        generation=dataclasses.replace(config.generation, keep_logits=False),
         activations=dataclasses.replace(config.activations, enabled=False),
         sae=dataclasses.replace(config.sae, enabled=False),
         ingest=dataclasses.replace(config.ingest, url=None),

@@ -34,6 +34,7 @@ __all__ = [
     "ReplicaDrainingError",
     "ReplicaLostError",
     "NoReplicaError",
+    "LogitsNotKeptError",
     "check_request_token_ids",
 ]
 
@@ -190,3 +191,9 @@ class NoReplicaError(RaylensError):
     Recoverable: retry in a few seconds."""
 
     recoverable = True
+
+
+class LogitsNotKeptError(RaylensError, LookupError):
+    """A finished step's logits were read from a result whose request did not keep them
+    (``keep_logits`` off): read them during the step (a mod, an ``on_event`` listener), or run
+    the request with ``keep_logits=True``."""

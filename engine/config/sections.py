@@ -122,6 +122,11 @@ class GenerationConfig:
     reason ``error`` and frees its batch slot (the stuck call is abandoned; None or 0: no limit).
     ``mod_dirs``: the only directories directory-form mod payloads may load from (none by default:
     a payload naming a path runs code from this machine's disk, so the operator opts in).
+    ``keep_logits``: whether a result's ForwardPass events keep their step's logits once the step
+    is over. Mods and ``on_event`` listeners read them live either way; kept, every step's
+    ``(batch, vocabulary)`` logits stay in memory (on a GPU, device memory) until the batch's
+    results are dropped, so a server or job that never hands events out turns it off (the
+    GeneratorActor does).
     """
 
     max_tokens: int = 2048
@@ -134,9 +139,11 @@ class GenerationConfig:
     step_limit: int | None = None
     mod_call_timeout_s: float | None = 30.0
     mod_dirs: tuple[str, ...] = ()
+    keep_logits: bool = True
 
     def __post_init__(self) -> None:
         require_fields(self, "", [
+            ("keep_logits", isinstance(self.keep_logits, bool), "true or false"),
             ("mod_call_timeout_s", self.mod_call_timeout_s is None or (
                 is_real(self.mod_call_timeout_s) and math.isfinite(self.mod_call_timeout_s)
                 and self.mod_call_timeout_s >= 0), "a finite number >= 0 (0 or null: no limit)"),

@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from engine.core.events import released_logits
 from engine.core.request import RequestState
 from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
@@ -93,7 +94,11 @@ class PhaseActions:
 
     def applied(self, item: Call, note: str | None = None, action: ModAction | None = None) -> None:
         action = action if action is not None else item.call.action
-        self.state.actions.append(action)
+        state = self.state
+        # an AdjustedLogits holds a row of the step's host copy, which keeps the whole copy alive
+        kept = action if state.request.keep_logits or not isinstance(action, AdjustedLogits) \
+            else released_logits(action, state.step)
+        state.actions.append(kept)
         self.state.payload.action(item.index, action, applied=True, note=note)
 
     def ignored(self, item: Call, reason: str, action: ModAction | None = None) -> None:

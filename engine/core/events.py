@@ -4,16 +4,19 @@ views of the engine's own; logits are a view of the batch's row made when first 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
 import torch
 
 from engine.model.backend import RowOutput
-from engine.model.tensor import TensorShim
+from engine.model.capture import RowCapture
+from engine.model.tensor import ReleasedLogits, TensorShim
 from mods.types import ContextInfo, ForwardPass, Prefilled, SAEFeatures
 
-__all__ = ["prefilled_event", "forward_event", "attention_rows", "all_features", "newest_row", "features_of"]
+__all__ = ["prefilled_event", "forward_event", "released_logits", "attention_rows", "all_features", "newest_row",
+           "features_of"]
 
 
 def prefilled_event(request_id: str, prompt_ids: list[int], max_tokens: int, output: RowOutput, layer: int,
@@ -32,14 +35,17 @@ def prefilled_event(request_id: str, prompt_ids: list[int], max_tokens: int, out
     )
 
 
-def forward_event(request_id: str, step: int, output: RowOutput, layer: int, input_ids: list[int],
-                  features: SAEFeatures | None, host: Any = None) -> ForwardPass:
+def forward_event(request_id: str, step: int, output: RowOutput | RowCapture, layer: int, input_ids: list[int],
+                  features: SAEFeatures | None, host: Any = None, logits: Any = None) -> ForwardPass:
     """A step's forward: logits ``(1, V)`` (``host``: the step's host copy its mods read), the
-    newest token's hidden state ``(1, d)`` and attention row ``(h, 1, kv)`` at ``layer``."""
-    hidden = output.captured.hidden.get(layer)
-    attention = output.captured.attention.get(layer)
+    newest token's hidden state ``(1, d)`` and attention row ``(h, 1, kv)`` at ``layer``.
+    ``logits`` given (a result's :class:`~engine.model.tensor.ReleasedLogits`): ``output`` may be
+    the row's captured internals alone."""
+    captured = output if isinstance(output, RowCapture) else output.captured
+    hidden = captured.hidden.get(layer)
+    attention = captured.attention.get(layer)
     return ForwardPass(
-        request_id, step, _logits_shim(output, host),  # (1, V)
+        request_id, step, logits if logits is not None else _logits_shim(output, host),  # (1, V)
         hidden_states=_shim(hidden if hidden is None or hidden.shape[0] == 1 else hidden[-1:]),  # (1, d)
         attention_patterns=_shim(attention if attention is None or attention.shape[1] == 1
                                  else attention[:, -1:, :]),  # (h, 1, kv)
@@ -47,6 +53,17 @@ def forward_event(request_id: str, step: int, output: RowOutput, layer: int, inp
         input_ids=input_ids,
         sae_features=features,  # (k,)
     )
+
+
+def released_logits(event: Any, step: int | None = None) -> Any:
+    """A copy of ``event`` (a ForwardPass, or an AdjustedLogits of step ``step``) for a result
+    that does not keep logits: the same fields, its logits a :class:`ReleasedLogits`. The mods
+    and listeners that received ``event`` itself keep what they hold."""
+    kept = copy.copy(event)
+    shape = getattr(event.logits, "shape", None)
+    kept.logits = ReleasedLogits(tuple(int(d) for d in shape) if shape is not None else (),
+                                 step if step is not None else event.step)
+    return kept
 
 
 def all_features(encoded: Any) -> SAEFeatures | None:

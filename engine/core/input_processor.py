@@ -118,6 +118,7 @@ class InputProcessor:
             mods=mods, mod_call_timeout_s=gen.mod_call_timeout_s or None,
             min_tokens=request.min_tokens or 0, grammar=grammar, caller_request_id=request.request_id,
             prefix_cache=self.prefix_caching if request.prefix_cache is None else request.prefix_cache,
+            keep_logits=gen.keep_logits,
             context=RequestContext(request.user_prompt, tuple(request.conversation),
                                    dict(request.response_format) if request.response_format is not None else None,
                                    request.tools),

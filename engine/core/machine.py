@@ -40,13 +40,15 @@ import numpy as np
 import torch
 
 from engine.core.chunks import join_chunks
-from engine.core.events import all_features, attention_rows, features_of, forward_event, newest_row, prefilled_event
+from engine.core.events import (all_features, attention_rows, features_of, forward_event, newest_row, prefilled_event,
+                                released_logits)
 from engine.core.phases import Phase
 from engine.core.actions import Call, PhaseActions, SteerSource, StepPlan
 from engine.core.request import ForwardRecord, RequestState, RequestStatus
 from engine.core.result import FinishReason
 from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
+from engine.model.tensor import ReleasedLogits
 from engine.model.sampling import SampleResult, SampleRow
 from mods.manager import CallRunner, ModCall, ModManager, dispatch_batch
 from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
@@ -74,6 +76,7 @@ class RequestMachine:
         self._plans = (state.plan.with_all_query_rows(False), state.plan.with_all_query_rows(True))
         self._wants_top = True  # the payload records each ForwardPass's top log-probs
         self._reads_logits = not self._mod_free  # its mods may read ForwardPass.logits
+        self._keep_logits = state.request.keep_logits  # its result's ForwardPass events keep them
         # no mod and no listener: nothing sees its step events as they happen, so each step is a
         # compact trace entry (fast_step / fast_sample) and its events are made after it finished
         self.fast = self._mod_free and state.on_event is None
@@ -245,7 +248,10 @@ class RequestMachine:
         so the step samples; the ForwardPass is a trace entry (made an event by :meth:`materialize`)."""
         state = self.state
         state.step_committed = []
-        self._trace.append((ForwardPass, state.step, now, state.output, len(state.prompt_ids) + len(state.generated),
+        output = state.output
+        # the step's whole batch of logits stays alive only if the result keeps them
+        kept = output if self._keep_logits else (output.captured, output.top_source)  # type: ignore[union-attr]
+        self._trace.append((ForwardPass, state.step, now, kept, len(state.prompt_ids) + len(state.generated),
                             state.sae_features))
         return self._sample_row(_NO_ACTIONS)
 
@@ -285,8 +291,14 @@ class RequestMachine:
             top = None
             if kind is ForwardPass:
                 _, step, at, output, length, encoded = entry
-                event: ModEvent = self._forward_event_of(output, step, tokens[:length], encoded)
-                top = output.top_source
+                if isinstance(output, tuple):  # its logits were not kept: the row's internals and top log-probs
+                    captured, top = output
+                    event: ModEvent = forward_event(state.request_id, step, captured, state.event_layer,
+                                                    tokens[:length], self._newest_features(encoded),
+                                                    logits=ReleasedLogits((1, self.actions.vocab_size), step))
+                else:
+                    event = self._forward_event_of(output, step, tokens[:length], encoded)
+                    top = output.top_source
             elif kind is Sampled:
                 _, step, at, token = entry
                 event = Sampled(state.request_id, step, token)
@@ -425,10 +437,11 @@ class RequestMachine:
     def _record(self, event: ModEvent) -> int:
         """The event joins the request's events and payload (no mod sees it); its payload index."""
         state = self.state
-        state.events.append(event)
+        forward = isinstance(event, ForwardPass)
+        state.events.append(event if self._keep_logits or not forward else released_logits(event))
         if state.on_event is not None:
             state.on_event(event)
-        top = state.output.top_source if isinstance(event, ForwardPass) and state.output is not None else None
+        top = state.output.top_source if forward and state.output is not None else None
         return state.payload.event(event, top)
 
     def _dispatch(self, event: ModEvent) -> Phase[list[Call]]:

@@ -28,7 +28,7 @@ import torch
 
 from .sampling import row_max
 
-__all__ = ["TensorShim", "HostLogits", "as_torch"]
+__all__ = ["TensorShim", "HostLogits", "ReleasedLogits", "as_torch"]
 
 # the host copies HostLogits lent out, by the copy's id: from_numpy wraps a view of one without a
 # copy, and an AdjustedLogits made of one is checked with the step's other rows in one pass
@@ -90,6 +90,45 @@ class HostLogits:
                 self._maxima = (values.tolist(), indices.tolist())
             values, indices = self._maxima
         return values[slot], indices[slot]
+
+
+class ReleasedLogits:
+    """What a result's ForwardPass holds for ``logits`` when its request did not keep them: their
+    ``shape``, and a clear error for any read. Keeping them would hold every step's whole batch of
+    logits (rows × vocabulary floats a step) until the results are dropped."""
+
+    __slots__ = ("shape", "step")
+
+    def __init__(self, shape: tuple[int, ...], step: int) -> None:
+        self.shape, self.step = tuple(shape), step
+
+    def _refuse(self, *_: Any, **__: Any) -> Any:
+        from engine.errors import LogitsNotKeptError
+
+        raise LogitsNotKeptError(
+            f"the logits of step {self.step} were not kept once the step was over (keep_logits is off); read them "
+            "during the step (a mod, or an on_event listener), or run the request with keep_logits=True "
+            "(generation.keep_logits in the config)", parameter="keep_logits", value=False)
+
+    to_numpy = numpy = to = item = tolist = __getitem__ = __array__ = __float__ = _refuse
+
+    @property
+    def tensor(self) -> Any:
+        return self._refuse()
+
+    @property
+    def device(self) -> Any:
+        return self._refuse()
+
+    @property
+    def dtype(self) -> Any:
+        return self._refuse()
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"ReleasedLogits(shape={self.shape}, step={self.step})"
 
 
 class TensorShim:
