@@ -130,7 +130,8 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     engine_us: dict[Callable[[], int], list[float]] = {}
     forward_s = [0.0]
 
-    def ours(ids_list: list[list[int]], mods: list[Any] | None, *, overlap: bool | None = None) -> Callable[[], int]:
+    def ours(ids_list: list[list[int]], mods: list[Any] | None, *, overlap: bool | None = None,
+             keep_logits: bool | None = None) -> Callable[[], int]:
         def run() -> int:
             stats = loop.stats
             before = (stats.launch_gaps, stats.launch_gap_s)
@@ -140,7 +141,8 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             try:
                 with loop.admission_held():  # every request starts in the same step, as HF's batch does
                     handles = [engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0,
-                                             ignore_eos=True, mods=mods) for ids in ids_list]
+                                             ignore_eos=True, mods=mods, keep_logits=keep_logits)
+                               for ids in ids_list]
                 produced = sum(len(h.result().sequence_ids) for h in handles)
             finally:
                 loop.defer_announcements = default
@@ -182,6 +184,8 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         paths[f"raylens, {n} concurrent, {'no announcement overlap' if overlap else 'announcements overlapped'}"] = \
             ours(ids_list, None, overlap=not overlap)
         paths[f"raylens, {n} concurrent + logits mod each"] = ours(ids_list, [logits_mod])
+        # what the GeneratorActor runs (`raylens serve`, Ray jobs): a finished step's logits are not kept
+        paths[f"raylens, {n} concurrent, logits not kept (as served)"] = ours(ids_list, None, keep_logits=False)
     runs: dict[str, list[float]] = {name: [] for name in paths}
     inner_forward = backend.execute
 
