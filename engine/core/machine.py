@@ -292,13 +292,11 @@ class RequestMachine:
             if kind is ForwardPass:
                 _, step, at, output, length, encoded = entry
                 if isinstance(output, tuple):  # its logits were not kept: the row's internals and top log-probs
-                    captured, top = output
-                    event: ModEvent = forward_event(state.request_id, step, captured, state.event_layer,
-                                                    tokens[:length], self._newest_features(encoded),
-                                                    logits=ReleasedLogits((1, self.actions.vocab_size), step))
+                    output, top = output
+                    logits = ReleasedLogits((1, self.actions.vocab_size), step)
                 else:
-                    event = self._forward_event_of(output, step, tokens[:length], encoded)
-                    top = output.top_source
+                    top, logits = output.top_source, None
+                event: ModEvent = self._forward_event_of(output, step, tokens[:length], encoded, logits=logits)
             elif kind is Sampled:
                 _, step, at, token = entry
                 event = Sampled(state.request_id, step, token)
@@ -500,10 +498,10 @@ class RequestMachine:
         assert state.output is not None  # built only when the step is ready
         return self._forward_event_of(state.output, state.step, state.tokens, state.sae_features, self._host)
 
-    def _forward_event_of(self, output: RowOutput, step: int, input_ids: list[int], encoded: Any,
-                          host: Any = None) -> ForwardPass:
+    def _forward_event_of(self, output: RowOutput | RowCapture, step: int, input_ids: list[int], encoded: Any,
+                          host: Any = None, logits: Any = None) -> ForwardPass:
         return forward_event(self.state.request_id, step, output, self.state.event_layer, input_ids,
-                             self._newest_features(encoded), host)
+                             self._newest_features(encoded), host, logits)
 
 
 _NO_ACTIONS = StepPlan()  # a step no mod acted on (never changed: read only)

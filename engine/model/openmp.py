@@ -7,8 +7,9 @@ workers to sleep after each one: every parallel op then pays a futex wake-up. Th
 and warmed up on the caller's thread, so that thread keeps a team; the step loop runs the forward
 on a thread of its own and, with both teams alive, an 8-token forward of the embedded model took
 ~25 % longer on two cores (small element-wise ops ran at one core's speed) than on the loading
-thread; a decode step parallelises less and gained a few per cent. OpenMP 5's ``omp_pause_resource_all`` hands the calling thread's team back; the
-thread gets a new one if it runs a parallel op again.
+thread; a decode step parallelises less and gained a few per cent. OpenMP 5's
+``omp_pause_resource_all`` hands the calling thread's team back; the thread gets a new one if it
+runs a parallel op again.
 """
 
 from __future__ import annotations

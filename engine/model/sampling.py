@@ -26,8 +26,9 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.model.vocab_search import row_max
+
 __all__ = ["SamplingParams", "SampleRow", "SampleResult", "TokenCounts", "sample", "sample_rows", "make_generator",
-           "row_max",
            "unpack_mask"]
 
 
@@ -171,38 +172,6 @@ class SampleResult:
     top: tuple[tuple[int, float], ...] | None = None
 
 
-_CHUNK = 256  # ids per chunk of row_max's two-stage search
-
-
-def row_max(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scores (M, V)`` → each row's maximum ``(M,)`` and the index of its first occurrence
-    ``(M,)``: what ``scores.max(dim=-1)`` gives. On a CPU that op tracks an index for every element
-    and costs twenty times a plain ``amax`` (64 rows × 49,152: 3 ms against 0.15), so a large
-    vocabulary is searched in two ``amax`` stages: the maxima of chunks of 256 ids, the first chunk
-    holding the row's maximum, and the first position in it that equals it. A NaN row's index is
-    unspecified (its maximum is NaN, which every caller refuses)."""
-    m, v = scores.shape
-    n = v // _CHUNK
-    if scores.device.type != "cpu" or n < 2 or m == 0:
-        return scores.max(dim=-1)
-    body = scores[:, :n * _CHUNK].view(m, n, _CHUNK)
-    chunk_max = body.amax(dim=-1)  # (M, n)
-    best = chunk_max.amax(dim=-1)  # (M,)
-    if v > n * _CHUNK:
-        best = torch.maximum(best, scores[:, n * _CHUNK:].amax(dim=-1))
-    hit = chunk_max == best[:, None]  # (M, n): the chunks holding the maximum
-    first = hit.to(torch.int32).argmax(dim=-1)  # the first of them (0 when only the tail holds it)
-    rows = torch.arange(m)
-    within = (body[rows, first] == best[:, None]).to(torch.int32).argmax(dim=-1)
-    index = first.to(torch.long) * _CHUNK + within
-    if v > n * _CHUNK:  # rows whose maximum is only in the ids past the last whole chunk
-        only_tail = ~hit.any(dim=-1)
-        if bool(only_tail.any()):
-            tail = scores[only_tail, n * _CHUNK:]
-            index[only_tail] = n * _CHUNK + (tail == best[only_tail, None]).to(torch.int32).argmax(dim=-1)
-    return best, index
-
-
 def _host_read(*tensors: torch.Tensor) -> list[list[Any]]:
     """``[t.tolist() for t in tensors]`` in one wait for the device, with the GIL released: while
     the step's forward runs, other threads (results being built, HTTP handlers, Ray) get the
@@ -238,8 +207,9 @@ def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
     known = [i for i in which if rows[i].argmax is not None]
     if known:
         given = [rows[i].argmax for i in known]
-        out = (torch.tensor(given, device=rows[known[0]].row_logits().device)
-               if all(isinstance(a, int) for a in given) else torch.stack([torch.as_tensor(a) for a in given]))
+        device = rows[known[0]].row_logits().device  # every known row's logits are on the engine's device
+        out = (torch.tensor(given, device=device) if all(isinstance(a, int) for a in given)
+               else torch.stack([torch.as_tensor(a, device=device) for a in given]))  # ints and 0-d tensors mixed
         rest = [i for i in which if rows[i].argmax is None]
         if not rest:
             return out

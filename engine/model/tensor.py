@@ -26,7 +26,7 @@ import weakref
 import numpy as np
 import torch
 
-from .sampling import row_max
+from .vocab_search import row_max
 
 __all__ = ["TensorShim", "HostLogits", "ReleasedLogits", "as_torch"]
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from engine.model.sampling import row_max
+from engine.model.vocab_search import row_max
 
 
 def _same(scores: torch.Tensor) -> None:

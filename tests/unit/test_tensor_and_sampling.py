@@ -98,3 +98,16 @@ def test_a_steps_logits_reach_mods_through_one_host_copy_each_rows_first_read_it
     assert TensorShim.row(batch, 0, host).to_numpy() is not None  # a row without mods: its own copy
     plain = TensorShim.from_numpy(np.ones((1, 6), dtype=np.float32))
     assert plain.lent is None
+
+
+def test_known_argmaxes_as_ints_and_as_tensors_mix_in_one_batch():
+    """A lent row's argmax comes back as an int, a mod's own array's as a 0-d tensor: one step may
+    hold both, and each row gets its own (the argmax is trusted: it is what the check found)."""
+    from engine.model.sampling import SamplingParams, SampleRow, make_generator, sample_rows
+
+    greedy = SamplingParams(temperature=0.0)
+    gen = make_generator(0, torch.device("cpu"))
+    logits = torch.zeros(1, 8)
+    rows = [SampleRow(logits, greedy, gen, argmax=3), SampleRow(logits, greedy, gen, argmax=torch.tensor(5)),
+            SampleRow(torch.arange(8.0)[None], greedy, gen)]
+    assert [r.token for r in sample_rows(rows)] == [3, 5, 7]
