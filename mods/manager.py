@@ -140,7 +140,7 @@ class _Pending:
     """One mod call: its inputs, and what it produced once it returned. ``after``: the call before
     it on the same event (a fatal one means this one is not made)."""
 
-    __slots__ = ("mod", "event", "tokenizer", "buffer", "outcome", "done", "after", "skipped", "timeout", "name",
+    __slots__ = ("mod", "event", "tokenizer", "buffer", "outcome", "after", "skipped", "timeout", "name",
                  "started_at", "elapsed_ms", "stack")
 
     def __init__(self, mod: Callable[..., Any], event: ModEvent, tokenizer: Any, after: "_Pending | None" = None,
@@ -195,16 +195,21 @@ class _Worker:
     """A daemon thread that runs the calls handed to it, in order, one at a time.
 
     Two raw locks are the hand-off (cheaper than a Queue or an Event): ``_go`` is released to
-    start a batch of calls, each call's own ``done`` lock when it returns. :meth:`stop` ends the
-    thread after its current call, or at once when idle.
+    start a batch of calls, ``_finished`` when the whole batch has returned. The caller sleeps
+    until then (one wake-up per batch, not one per call, so the worker runs its calls without the
+    caller taking the GIL back after each), waking earlier only to check a call's time limit:
+    :attr:`running` says which call runs and since when. :meth:`stop` ends the thread after its
+    current call, or at once when idle.
     """
 
     def __init__(self) -> None:
         self._go = threading.Lock()
         self._go.acquire()
+        self._finished = threading.Lock()
         self._batch: list[_Pending] = []
         self._context: contextvars.Context | None = None
         self._stopped = False
+        self.running: tuple[int, float] = (-1, 0.0)  # (index in the batch, perf_counter at its start)
         self.thread = threading.Thread(target=self._loop, name="raylens-mod-call", daemon=True)
         self.thread.start()
 
@@ -216,22 +221,45 @@ class _Worker:
             batch, self._batch = self._batch, []
             context = self._context
             assert context is not None  # internal invariant: submit() sets it before releasing _go
-            for pending in batch:
+            for k, pending in enumerate(batch):
                 if self._stopped:
                     return
+                self.running = (k, time.perf_counter())  # one assignment: the caller reads it whole
                 context.run(pending.run)
-                pending.done.release()
             if self._stopped:
                 return
+            self._finished.release()
 
     def submit(self, batch: list[_Pending], context: contextvars.Context) -> None:
         """Run ``batch`` in order in ``context`` (a copy of the caller's: the capture buffer and
         request it sets there are the ones each mod sees)."""
-        for pending in batch:
-            pending.done = threading.Lock()
-            pending.done.acquire()
+        self._finished.acquire(blocking=False)  # held from now until the batch has returned
+        self.running = (-1, time.perf_counter())
         self._batch, self._context = batch, context
         self._go.release()
+
+    def wait(self, batch: list[_Pending]) -> int | None:
+        """Sleep until ``batch`` (just submitted) has returned: None; or the index of a call that
+        overran its ``timeout``. A wait never outlasts the running call's deadline nor the
+        shortest limit in the batch (a later call starts no earlier than now, so its deadline is at
+        least that far away)."""
+        limits = [p.timeout for p in batch if p.timeout]
+        shortest = min(limits) if limits else -1.0  # -1: no limit anywhere, sleep until done
+        while True:
+            index, since = self.running
+            limit = batch[index].timeout if index >= 0 else None
+            wait = shortest
+            if limit:
+                left = since + limit - time.perf_counter()
+                if left <= 0:
+                    if self._finished.acquire(blocking=False):
+                        return None  # the batch returned just now
+                    if self.running == (index, since):
+                        return index  # still on it, past its limit
+                    continue  # it returned and the next call started: look again
+                wait = min(left, wait)
+            if self._finished.acquire(timeout=wait):
+                return None
 
     def stop(self) -> None:
         self._stopped = True
@@ -261,20 +289,15 @@ class CallRunner:
                     worker = self._worker = _Worker()
                 # a fresh copy each time: an abandoned call may still be running in the last one
                 worker.submit(calls, contextvars.copy_context())
-                stuck = None
-                for k, pending in enumerate(calls):
-                    try:
-                        returned = pending.done.acquire(timeout=pending.timeout if pending.timeout else -1)
-                    except BaseException:  # e.g. Ctrl-C while waiting: the call is abandoned, the signal goes on
-                        self._abandon(worker, pending.name)
-                        raise
-                    if not returned:
-                        stuck = k
-                        pending.stack = _stack_of(worker.thread)  # type: ignore[attr-defined]
-                        self._abandon(worker, pending.name)
-                        break
+                try:
+                    stuck = worker.wait(calls)
+                except BaseException:  # e.g. Ctrl-C while waiting: the running call is abandoned, the signal goes on
+                    self._abandon(worker, calls[max(worker.running[0], 0)].name)
+                    raise
                 if stuck is None:
                     return
+                calls[stuck].stack = _stack_of(worker.thread)  # type: ignore[attr-defined]
+                self._abandon(worker, calls[stuck].name)
                 calls = calls[stuck + 1:]  # those after it on its event find it without an outcome: skipped
 
     def _abandon(self, worker: _Worker, name: str) -> None:

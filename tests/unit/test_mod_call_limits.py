@@ -80,6 +80,35 @@ def test_without_a_limit_mods_run_inline_on_the_calling_thread(limit):
     assert seen == [threading.current_thread()]
 
 
+def test_in_a_batch_of_many_requests_each_call_keeps_its_own_limit(release):
+    """The runner waits once for a whole batch of calls: a stuck call with a short limit behind a
+    quick call with a long one is still abandoned at its own limit (the dispatch returns while the
+    long limit is far off), the calls after it on its event are skipped, and the other requests'
+    calls before and after it run."""
+    from mods.manager import CallRunner, dispatch_batch
+
+    def quick(event, tokenizer=None):
+        return ForceTokens([event.step])
+
+    def stuck(event, tokenizer=None):
+        release.wait()
+
+    patient = ModManager([quick], call_timeout_s=600.0)
+    hasty = ModManager([stuck, quick], call_timeout_s=LIMIT_S)
+    last = ModManager([quick], call_timeout_s=600.0)
+    runner, out = CallRunner(), []
+    jobs = [(patient, Sampled("a", 1, 1)), (hasty, Sampled("b", 2, 1)), (last, Sampled("c", 3, 1))]
+    dispatcher = threading.Thread(target=lambda: out.append(dispatch_batch(jobs, runner)), daemon=True)
+    dispatcher.start()
+    dispatcher.join(timeout=60)  # a bound, far under the patient calls' 600 s
+    assert not dispatcher.is_alive(), "the stuck call was not abandoned at its own limit"
+    first, middle, final = out[0]
+    assert [c.action.tokens for c in first] == [[1]] and [c.action.tokens for c in final] == [[3]]
+    assert len(middle) == 1 and middle[0].timed_out and middle[0].fatal
+    assert middle[0].exception.message == f"mod stuck did not return within {LIMIT_S:g} s on Sampled step 2"
+    runner.close()
+
+
 class CustomBase(BaseException):
     pass
 
