@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.helpers import TEST_MODS, build_config
+from tests.helpers import TEST_MODS, build_config, keeping_logits
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "core_fixtures.json"
 IGNORED_PAYLOAD_KEYS = {"created_at", "completed_at", "execution_time_ms", "request_id"}
@@ -148,9 +148,10 @@ def build_engines(tmp: Path, **backend: Any) -> tuple[Any, Any, Any]:
     """The three engines :func:`record` runs on, with ``backend`` overrides (a forward path)."""
     from engine import Engine
 
-    engine = Engine(build_config(**backend))
-    small = Engine(build_config(kv_block_size=8, max_step_tokens=24, **backend))
-    cfg = build_config(**backend)
+    # the digests read every ForwardPass's logits after the run: the engines keep them
+    engine = Engine(keeping_logits(build_config(**backend)))
+    small = Engine(keeping_logits(build_config(kv_block_size=8, max_step_tokens=24, **backend)))
+    cfg = keeping_logits(build_config(**backend))
     cfg = dataclasses.replace(
         cfg, activations=dataclasses.replace(cfg.activations, enabled=True, db_path=str(tmp / "fixtures.duckdb")),
         sae=dataclasses.replace(cfg.sae, enabled=True, mode="inline", block_steps=4))

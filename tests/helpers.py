@@ -32,6 +32,12 @@ def build_config(**backend_overrides: Any):
     return load_config(REPO / "configs" / "local.yaml", env=env, overrides={"backend": backend_overrides})
 
 
+def keeping_logits(cfg: Any) -> Any:
+    """``cfg`` with ``generation.keep_logits`` on: for tests that compare every ForwardPass's
+    logits after the run (the default releases them once their step is over)."""
+    return dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, keep_logits=True))
+
+
 @contextlib.contextmanager
 def loopback_http_server(handler: type) -> Iterator[Any]:
     """A real HTTP server on 127.0.0.1 (a free port) in a thread, shut down on exit: the stand-in

@@ -123,10 +123,10 @@ class GenerationConfig:
     ``mod_dirs``: the only directories directory-form mod payloads may load from (none by default:
     a payload naming a path runs code from this machine's disk, so the operator opts in).
     ``keep_logits``: whether a result's ForwardPass events keep their step's logits once the step
-    is over. Mods and ``on_event`` listeners read them live either way; kept, every step's
-    ``(batch, vocabulary)`` logits stay in memory (on a GPU, device memory) until the batch's
-    results are dropped, so a server or job that never hands events out turns it off (the
-    GeneratorActor does).
+    is over. Mods and ``on_event`` listeners read them live either way. Off by default (as HF's
+    ``generate`` keeps no per-step logits unless asked): kept, every step's ``(batch, vocabulary)``
+    logits stay in memory (on a GPU, device memory) until the batch's results are dropped, and
+    every step's host copy for mods lands in fresh memory.
     """
 
     max_tokens: int = 2048
@@ -139,7 +139,7 @@ class GenerationConfig:
     step_limit: int | None = None
     mod_call_timeout_s: float | None = 30.0
     mod_dirs: tuple[str, ...] = ()
-    keep_logits: bool = True
+    keep_logits: bool = False
 
     def __post_init__(self) -> None:
         require_fields(self, "", [

@@ -60,7 +60,7 @@ class EngineRequest:
     grammar: CompiledGrammar | None = field(default=None, repr=False, compare=False)  # structured output
     caller_request_id: str | None = None
     prefix_cache: bool = True
-    keep_logits: bool = True  # the result's ForwardPass events keep their step's logits
+    keep_logits: bool = False  # the result's ForwardPass events keep their step's logits
     context: RequestContext = field(default_factory=RequestContext, repr=False, compare=False)
 
     def portable(self) -> "EngineRequest":

@@ -184,8 +184,9 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         paths[f"raylens, {n} concurrent, {'no announcement overlap' if overlap else 'announcements overlapped'}"] = \
             ours(ids_list, None, overlap=not overlap)
         paths[f"raylens, {n} concurrent + logits mod each"] = ours(ids_list, [logits_mod])
-        # what the GeneratorActor runs (`raylens serve`, Ray jobs): a finished step's logits are not kept
-        paths[f"raylens, {n} concurrent, logits not kept (as served)"] = ours(ids_list, None, keep_logits=False)
+        # what keeping every step's logits in the results costs (keep_logits=True; off by default)
+        paths[f"raylens, {n} concurrent + logits mod each, logits kept"] = ours(ids_list, [logits_mod],
+                                                                              keep_logits=True)
     runs: dict[str, list[float]] = {name: [] for name in paths}
     inner_forward = backend.execute
 

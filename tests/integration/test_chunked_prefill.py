@@ -83,8 +83,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_a_decoding_neighbour_keeps_s
     assert fed_in_parts == 0 and between <= 1
 
 
-def _run(eng, long_ids):
-    return eng.generate(input_ids=long_ids, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+def _run(eng, long_ids):  # the events' logits are compared after the run: kept
+    return eng.generate(input_ids=long_ids, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, keep_logits=True)
 
 
 def test_a_chunked_prompt_gives_the_same_events_and_tokens_as_one_forward(chunked, engine, long_ids):

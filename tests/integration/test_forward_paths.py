@@ -86,7 +86,7 @@ def _eight(engine: Any) -> dict[str, Any]:
         for name, (prompt, mod_file) in specs:
             mods = [str(TEST_MODS / mod_file)] if mod_file else None
             handles[name] = engine.submit(prompt, max_tokens=12, temperature=0.0, mods=mods,
-                                          request_id=f"eight-{name}")
+                                          request_id=f"eight-{name}", keep_logits=True)  # digested after
     return {name: digest(h.result(timeout=600)) for name, h in handles.items()}
 
 

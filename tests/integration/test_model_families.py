@@ -112,8 +112,8 @@ def _greedy(model, ids, n=NEW_TOKENS):
     return out[0, len(ids):].tolist()
 
 
-def _run(e, ids, **kw):
-    return e.generate(input_ids=ids, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, **kw)
+def _run(e, ids, **kw):  # the events' logits are compared after the run: kept
+    return e.generate(input_ids=ids, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, keep_logits=True, **kw)
 
 
 def _relative_worst(a, b) -> float:

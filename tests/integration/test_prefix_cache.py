@@ -19,7 +19,7 @@ import pytest
 from engine.core.result import FinishReason
 from mods import Added, ForwardPass, Prefilled, mod
 from mods.features import steer_toward
-from tests.helpers import build_config
+from tests.helpers import build_config, keeping_logits
 
 BLOCK = 8  # the module's engine pages its cache in blocks of 8 positions: many block boundaries
 SYSTEM = ("You are a patient tutor for a class of curious twelve-year-olds. Answer in plain words, one idea "
@@ -30,6 +30,11 @@ STEER = 200.0
 IGNORED_PAYLOAD_KEYS = {"created_at", "completed_at", "execution_time_ms", "request_id"}
 
 
+def _config(**backend):
+    """Every engine here keeps its logits: the comparisons read every ForwardPass's after the run."""
+    return keeping_logits(build_config(**backend))
+
+
 def _chat(question: str, system: str = SYSTEM) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
@@ -38,7 +43,7 @@ def _chat(question: str, system: str = SYSTEM) -> list[dict[str, str]]:
 def eng():
     from engine import Engine
 
-    with Engine(build_config(kv_block_size=BLOCK)) as e:
+    with Engine(_config(kv_block_size=BLOCK)) as e:
         yield e
 
 
@@ -233,7 +238,7 @@ def chunked():
     """Steps feed at most 16 tokens: a long prompt is prefilled over many steps."""
     from engine import Engine
 
-    with Engine(build_config(max_step_tokens=16, kv_block_size=BLOCK)) as e:
+    with Engine(_config(max_step_tokens=16, kv_block_size=BLOCK)) as e:
         yield e
 
 
@@ -288,7 +293,7 @@ def small_pool():
     """A pool of 20 blocks of 16 tokens (320 tokens) for four batch places."""
     from engine import Engine
 
-    with Engine(build_config(kv_cache_tokens=320, max_batch=4)) as e:
+    with Engine(_config(kv_cache_tokens=320, max_batch=4)) as e:
         yield e
 
 
@@ -321,7 +326,7 @@ def test_static_decode_reads_reused_blocks_through_its_block_tables():
     blocks through the block tables it is handed each step, reused prefix blocks included."""
     from engine import Engine
 
-    with Engine(build_config(graph_decode="static", max_sequence=512, max_batch=4, kv_block_size=BLOCK)) as e:
+    with Engine(_config(graph_decode="static", max_sequence=512, max_batch=4, kv_block_size=BLOCK)) as e:
         question = "Why does bread rise?"
         off = e.generate(messages=_chat(question), max_tokens=NEW_TOKENS, temperature=0.0, prefix_cache=False)
         e.generate(messages=_chat("What is a comet?"), max_tokens=2, temperature=0.0)
@@ -351,7 +356,7 @@ def test_the_cached_rows_stay_within_their_budget_and_a_hit_after_evictions_is_s
     whose rows pass it evict older prefixes (tail first), and what stays cached is reused exactly."""
     from engine import Engine
 
-    with Engine(build_config(prefix_cache_rows_mb=1, max_batch=2)) as e:
+    with Engine(_config(prefix_cache_rows_mb=1, max_batch=2)) as e:
         budget = e.cache_stats()["cached_rows_budget_bytes"]
         assert budget == 2**20
         systems = [SYSTEM + " " + SYSTEM.replace("tutor", role) for role in ("coach", "librarian", "pilot")]

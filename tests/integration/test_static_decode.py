@@ -59,8 +59,8 @@ def test_static_decode_equals_eager_token_for_token(engine, static_engine, mods)
 
 
 def test_static_decode_events_carry_the_same_internals(engine, static_engine):
-    a = engine.generate(PROMPTS[0], max_tokens=4, temperature=0.0)
-    b = static_engine.generate(PROMPTS[0], max_tokens=4, temperature=0.0)
+    a = engine.generate(PROMPTS[0], max_tokens=4, temperature=0.0, keep_logits=True)  # compared after the run
+    b = static_engine.generate(PROMPTS[0], max_tokens=4, temperature=0.0, keep_logits=True)
     import torch
 
     for ea, eb in zip(a.events, b.events):
@@ -78,7 +78,7 @@ def test_payload_top_tokens_come_from_the_batched_forward_and_equal_a_per_reques
     import torch
 
     eng = engine if which == "eager" else static_engine
-    handles = [eng.submit(p, max_tokens=4, temperature=0.0) for p in PROMPTS[:3]]  # batched rows
+    handles = [eng.submit(p, max_tokens=4, temperature=0.0, keep_logits=True) for p in PROMPTS[:3]]  # batched rows
     for result in [h.result(timeout=300) for h in handles]:
         forwards = [e for e in result.events if isinstance(e, ForwardPass)]
         records = [r for r in result.payload["events"] if r["event_type"] == "ForwardPass"]
@@ -102,8 +102,8 @@ def test_compiled_decode_equals_eager_token_for_token_and_carries_the_same_inter
     before = counters["stats"]["unique_graphs"]
     with Engine(build_config(graph_decode="compile", max_sequence=128, max_batch=1)) as compiled:
         for mods in (None, [backtrack_and_force]):
-            a = engine.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, mods=mods)
-            b = compiled.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, mods=mods)
+            a = engine.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, mods=mods, keep_logits=True)
+            b = compiled.generate(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, mods=mods, keep_logits=True)
             assert b.sequence_ids == a.sequence_ids, f"mods={mods}: the compiled decode differs from eager"
         for ea, eb in zip(a.events, b.events):
             if isinstance(ea, ForwardPass):

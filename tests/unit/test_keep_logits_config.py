@@ -1,6 +1,7 @@
 """``keep_logits``: a config default and a per-request switch, checked like every other field;
 the GeneratorActor's engine turns it off (its results leave without their events)."""
 
+import dataclasses
 import pickle
 
 import pytest
@@ -11,8 +12,8 @@ from engine.errors import ConfigError, InvalidRequestError, LogitsNotKeptError
 from engine.model.tensor import ReleasedLogits
 
 
-def test_the_default_keeps_them_and_a_non_boolean_is_refused_naming_the_field():
-    assert GenerationConfig().keep_logits is True
+def test_the_default_releases_them_and_a_non_boolean_is_refused_naming_the_field():
+    assert GenerationConfig().keep_logits is False
     with pytest.raises(ConfigError, match="`keep_logits` must be true or false, got 'no'"):
         GenerationConfig(keep_logits="no")
     with pytest.raises(InvalidRequestError, match="keep_logits") as info:
@@ -27,8 +28,9 @@ def test_the_generator_actors_engine_does_not_keep_them():
     from tests.helpers import REPO
 
     config = load_config(REPO / "configs" / "local.yaml", env={})
-    assert config.generation.keep_logits is True
-    assert local_engine_config(config).generation.keep_logits is False
+    assert config.generation.keep_logits is False
+    asked = dataclasses.replace(config, generation=dataclasses.replace(config.generation, keep_logits=True))
+    assert local_engine_config(asked).generation.keep_logits is False  # even when a config asks for them
 
 
 def test_released_logits_keep_their_shape_and_refuse_every_read():
