@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -78,17 +78,22 @@ class StepPlan:
 
 
 class PhaseActions:
-    """Applies one request's mod actions. ``commit_silently(tokens)`` commits forced tokens with no
-    Added of their own (an Added-phase ForceTokens or Backtrack's tokens), through the machine."""
+    """Applies one request's mod actions. It refers to the request's state only, never back to its
+    machine: a machine that the actions referred back to would make every finished request a
+    reference cycle, its events and internals freed only by the garbage collector's full passes
+    (tens of ms each, inside some later step)."""
 
     def __init__(self, state: RequestState, *, vocab_size: int, device: torch.device,
-                 steering: SteerSource | None, commit_silently: Callable[[list[int]], None]) -> None:
+                 steering: SteerSource | None) -> None:
         self.state = state
         self.vocab_size = vocab_size
         self.device = device
         self.steering = steering
-        self.commit_silently = commit_silently
         self.steer_log: list[dict[str, Any]] = []  # every applied Steer: step, feature, scale
+
+    def commit_silently(self, tokens: list[int]) -> None:
+        """Forced tokens with no Added of their own (an Added-phase ForceTokens, Backtrack's tokens)."""
+        self.state.commit(tokens, forced=True)
 
     # ------------------------------------------------------------------------------ records
 

@@ -62,8 +62,7 @@ class RequestMachine:
     def __init__(self, state: RequestState, *, vocab_size: int, device: torch.device,
                  steering: SteerSource | None = None) -> None:
         self.state = state
-        self.actions = PhaseActions(state, vocab_size=vocab_size, device=device, steering=steering,
-                                    commit_silently=self._commit_silently)
+        self.actions = PhaseActions(state, vocab_size=vocab_size, device=device, steering=steering)
         self.max_sequence = 1 << 62  # set by start()
         self.overlap = False  # the device runs forwards asynchronously: announcements may wait
         self._parts: list[tuple[ForwardRow, RowOutput]] = []  # the chunks of a feed still in progress
@@ -393,10 +392,6 @@ class RequestMachine:
         if tokens and state.stream is not None:
             self._announce(state.stream.committed, (tokens, forced, sample, attention, features))
         return tokens
-
-    def _commit_silently(self, tokens: list[int]) -> None:
-        """Forced tokens with no Added of their own (Added-phase ForceTokens, Backtrack's tokens)."""
-        self.state.commit(tokens, forced=True)
 
     def _end_step(self) -> None:
         state, request = self.state, self.state.request
