@@ -59,9 +59,13 @@ def released_logits(event: Any, step: int | None = None) -> Any:
     """A copy of ``event`` (a ForwardPass, or an AdjustedLogits of step ``step``) for a result
     that does not keep logits: the same fields, its logits a :class:`ReleasedLogits`. The mods
     and listeners that received ``event`` itself keep what they hold."""
-    kept = copy.copy(event)
+    try:  # a plain object's shallow copy, at a third of copy.copy's cost (one per request-step)
+        kept = object.__new__(type(event))
+        kept.__dict__.update(event.__dict__)
+    except (TypeError, AttributeError):  # an action class without a __dict__
+        kept = copy.copy(event)
     shape = getattr(event.logits, "shape", None)
-    kept.logits = ReleasedLogits(tuple(int(d) for d in shape) if shape is not None else (),
+    kept.logits = ReleasedLogits(tuple(map(int, shape)) if shape is not None else (),
                                  step if step is not None else event.step)
     return kept
 
