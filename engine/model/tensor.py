@@ -208,7 +208,10 @@ class TensorShim:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self._tensor.shape)
+        if self._view is None:  # a row not viewed yet: its shape without making the view
+            batch = self._source[0]  # type: ignore[index]
+            return (1, *batch.shape[1:])
+        return tuple(self._view.shape)
 
     @property
     def device(self) -> torch.device:

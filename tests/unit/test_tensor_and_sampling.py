@@ -111,3 +111,12 @@ def test_known_argmaxes_as_ints_and_as_tensors_mix_in_one_batch():
     rows = [SampleRow(logits, greedy, gen, argmax=3), SampleRow(logits, greedy, gen, argmax=torch.tensor(5)),
             SampleRow(torch.arange(8.0)[None], greedy, gen)]
     assert [r.token for r in sample_rows(rows)] == [3, 5, 7]
+
+
+def test_a_rows_shape_is_known_before_its_view_is_made_and_equals_the_views():
+    batch = torch.arange(3 * 5 * 2, dtype=torch.float32).reshape(3, 5, 2)
+    for index in range(3):
+        lazy, viewed = TensorShim.row(batch, index), TensorShim.row(batch, index)
+        viewed.tensor  # noqa: B018  (makes the view)
+        assert lazy.shape == viewed.shape == tuple(batch[index:index + 1].shape) == (1, 5, 2)
+        assert lazy._view is None, "reading the shape made the view"
