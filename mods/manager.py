@@ -202,7 +202,8 @@ class _Worker:
     current call, or at once when idle.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, after_batch: Callable[[], Any] | None = None) -> None:
+        self._after_batch = after_batch
         self._go = threading.Lock()
         self._go.acquire()
         self._finished = threading.Lock()
@@ -228,6 +229,11 @@ class _Worker:
                 context.run(pending.run)
             if self._stopped:
                 return
+            if self._after_batch is not None:
+                try:
+                    self._after_batch()
+                except Exception:  # a housekeeping hook never ends the worker
+                    log.exception("the mod worker's after-batch hook failed")
             self._finished.release()
 
     def submit(self, batch: list[_Pending], context: contextvars.Context) -> None:
@@ -272,9 +278,12 @@ class _Worker:
 class CallRunner:
     """Where mod calls run with a time limit: one worker thread, replaced when a call on it must
     be abandoned. One runner serves a whole step's calls of many requests at once
-    (:func:`dispatch_batch`), so a step pays one thread hand-off per phase, not one per call."""
+    (:func:`dispatch_batch`), so a step pays one thread hand-off per phase, not one per call.
+    ``after_batch``: called on the worker thread after each batch of calls returned (the engine
+    gives back the OpenMP workers a mod's torch ops may have made that thread hold)."""
 
-    def __init__(self) -> None:
+    def __init__(self, after_batch: Callable[[], Any] | None = None) -> None:
+        self._after_batch = after_batch
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
 
@@ -286,7 +295,7 @@ class CallRunner:
             while calls:
                 worker = self._worker
                 if worker is None:
-                    worker = self._worker = _Worker()
+                    worker = self._worker = _Worker(self._after_batch)
                 # a fresh copy each time: an abandoned call may still be running in the last one
                 worker.submit(calls, contextvars.copy_context())
                 try:

@@ -82,7 +82,9 @@ class StepLoop:
         self._calls: list[tuple[Callable[["StepLoop"], Any], Future]] = []  # work run between steps
         self._jobs: collections.deque[Job] = collections.deque()  # embeddings, scoring, captures: a unit a step
         self._sampled_at: float | None = None
-        self.mod_calls = CallRunner()  # where every request's mod calls run, a phase of a step at a time
+        # where every request's mod calls run, a phase of a step at a time; after each phase the mods'
+        # thread gives back any OpenMP workers their torch ops made it hold (engine/model/openmp.py)
+        self.mod_calls = CallRunner(after_batch=release_thread_team)
         self.scheduler.mod_calls = self.mod_calls
 
     @classmethod

@@ -71,3 +71,64 @@ def test_the_step_loop_releases_the_submitting_thread_not_its_own(engine, monkey
     assert result.sequence_ids  # positive control: it ran on the loop
     assert seen and set(seen) == {threading.current_thread().name}, seen
     assert engine.loop._thread is not None and engine.loop._thread.name not in seen
+
+
+# The mods' thread: the engine's host copy of a step's logits takes no OpenMP team there, and a team
+# a mod's own torch ops made is given back after each batch of calls.
+_MODS_PROBE = """
+import json, os, threading, time
+import torch
+from engine.model.openmp import release_thread_team
+from engine.model.tensor import HostLogits
+from mods.manager import CallRunner, ModManager, dispatch_batch
+from mods.types import Sampled
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def settle(limit):
+    deadline = time.monotonic() + 10  # released workers exit on their own
+    while threads() > limit and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+
+logits = torch.randn(64, 49_152)  # a step's batch of logits (float32, CPU)
+box = {}
+
+def reads_logits(event, tokenizer=None):
+    box["lent"] = HostLogits(logits, rows=list(range(64))).lend(5) is not None
+    return None
+
+def parallel_torch(event, tokenizer=None):
+    torch.randn(2_000_000).exp_()  # large enough for torch to split it over its threads
+    box["during"] = threads()
+    return None
+
+for name, hook in (("released", release_thread_team), ("kept", None)):
+    runner = CallRunner(after_batch=hook)
+    dispatch_batch([(ModManager([lambda e, t=None: None], call_timeout_s=30.0), Sampled("r", 0, 1))], runner)
+    base = threads()  # the worker thread exists now, with no team
+    dispatch_batch([(ModManager([reads_logits], call_timeout_s=30.0), Sampled("r", 0, 1))], runner)
+    box[name + "_after_copy"] = threads() - base
+    dispatch_batch([(ModManager([parallel_torch], call_timeout_s=30.0), Sampled("r", 0, 1))], runner)
+    box[name + "_made"] = box["during"] - base
+    box[name + "_after_torch"] = settle(base) - base
+    runner.close()
+    release_thread_team()
+print(json.dumps(box))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2
+                    or "OpenMP" not in torch.__config__.parallel_info(),
+                    reason="needs Linux, torch on OpenMP and at least two cores")
+def test_the_mods_thread_holds_no_openmp_team_after_a_batch():
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _MODS_PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    box = json.loads(done.stdout.strip().splitlines()[-1])
+    assert box["lent"] and box["kept_after_copy"] == box["released_after_copy"] == 0, box  # the copy made none
+    assert box["released_made"] > 0 and box["kept_made"] > 0, box  # positive control: the mod's op made them
+    assert box["released_after_torch"] == 0, box  # given back after the batch
+    assert box["kept_after_torch"] > 0, box  # without the hook the team stays

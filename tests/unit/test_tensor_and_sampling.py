@@ -120,3 +120,18 @@ def test_a_rows_shape_is_known_before_its_view_is_made_and_equals_the_views():
         viewed.tensor  # noqa: B018  (makes the view)
         assert lazy.shape == viewed.shape == tuple(batch[index:index + 1].shape) == (1, 5, 2)
         assert lazy._view is None, "reading the shape made the view"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]], ids=["every row", "some rows"])
+def test_the_host_copy_is_float32_whatever_the_logits_dtype_and_never_aliases_them(dtype, rows):
+    from engine.model.tensor import HostLogits
+
+    batch = (torch.arange(4 * 6, dtype=torch.float32).view(4, 6) / 7).to(dtype)
+    host = HostLogits(batch, rows=rows)
+    for j, row in enumerate(rows):
+        lent = host.lend(row)
+        assert lent.dtype == np.float32 and lent.shape == (1, 6)
+        assert np.array_equal(lent, batch[row:row + 1].float().numpy())
+        assert not np.shares_memory(lent, batch.float().numpy()) if dtype != torch.float32 else \
+            not np.shares_memory(lent, batch.numpy())
