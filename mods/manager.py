@@ -229,6 +229,7 @@ class _Worker:
                 context.run(pending.run)
             if self._stopped:
                 return
+            self.running = (-1, time.perf_counter())  # every call returned: the hook's time is no call's
             if self._after_batch is not None:
                 try:
                     self._after_batch()

@@ -109,6 +109,26 @@ def test_in_a_batch_of_many_requests_each_call_keeps_its_own_limit(release):
     runner.close()
 
 
+def test_the_runners_after_batch_hook_runs_on_the_worker_after_every_batch_and_counts_against_no_call():
+    from mods.manager import CallRunner, dispatch_batch
+
+    seen = []
+
+    def hook():
+        seen.append(threading.current_thread())
+        threading.Event().wait(LIMIT_S * 2)  # longer than any call's limit: still no call's time
+
+    runner = CallRunner(after_batch=hook)
+    manager = ModManager([lambda e, t=None: ForceTokens([1])], call_timeout_s=LIMIT_S)
+    for step in range(2):
+        (calls,) = dispatch_batch([(manager, Sampled("r", step, 1))], runner)
+        assert not calls[0].timed_out and calls[0].action.tokens == [1]
+    assert not abandoned_mod_threads(), "the hook's time was taken for a stuck call"
+    runner.close()
+    assert len(seen) == 2 and seen[0] is seen[1], "one worker thread ran both batches and their hooks"
+    assert seen[0] is not threading.current_thread()
+
+
 class CustomBase(BaseException):
     pass
 
