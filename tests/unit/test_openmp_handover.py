@@ -17,6 +17,20 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
+NEEDS_OPENMP = pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2
+                                  or "OpenMP" not in torch.__config__.parallel_info(),
+                                  reason="needs Linux, torch on OpenMP and at least two cores")
+
+
+def _probe(source: str) -> dict:
+    """Run ``source`` in a process of its own with two OpenMP threads; what it printed last, as JSON."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", source], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # In a process of its own: the test runner's other threads (Ray's, other tests' teams) come and go
 # and would blur a count of this thread's workers.
 _PROBE = """
@@ -47,15 +61,9 @@ print(json.dumps(box))
 """
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2
-                    or "OpenMP" not in torch.__config__.parallel_info(),
-                    reason="needs Linux, torch on OpenMP and at least two cores")
+@NEEDS_OPENMP
 def test_releasing_gives_back_the_calling_threads_workers():
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    box = json.loads(done.stdout.strip().splitlines()[-1])
+    box = _probe(_PROBE)
     assert box["torch_threads"] == 2
     assert box["with_team"] > box["before"], box  # positive control: the parallel op made workers
     assert box["after"] < box["with_team"], box
@@ -119,15 +127,9 @@ print(json.dumps(box))
 """
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2
-                    or "OpenMP" not in torch.__config__.parallel_info(),
-                    reason="needs Linux, torch on OpenMP and at least two cores")
+@NEEDS_OPENMP
 def test_the_mods_thread_holds_no_openmp_team_after_a_batch():
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", _MODS_PROBE], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    box = json.loads(done.stdout.strip().splitlines()[-1])
+    box = _probe(_MODS_PROBE)
     assert box["lent"] and box["kept_after_copy"] == box["released_after_copy"] == 0, box  # the copy made none
     assert box["released_made"] > 0 and box["kept_made"] > 0, box  # positive control: the mod's op made them
     assert box["released_after_torch"] == 0, box  # given back after the batch
