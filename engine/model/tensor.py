@@ -93,10 +93,11 @@ def _host_copy(batch: torch.Tensor, order: list[int]) -> np.ndarray:
     team of its own, and with two teams on the machine's cores libgomp stops spinning between
     regions, so every parallel op of the step loop's forward pays a futex wake-up (measured: reading
     the logits cost a mod 19 % of the throughput at 64 concurrent requests, not the copy's 2 %)."""
+    every = order == list(range(batch.shape[0]))  # every row, in order: one plain copy
     if batch.device.type == "cpu" and batch.dtype == torch.float32:
         rows = batch.detach().numpy()
-        return rows.copy() if order == list(range(rows.shape[0])) else rows[order]  # fancy indexing copies
-    if order != list(range(batch.shape[0])):
+        return rows.copy() if every else rows[order]  # fancy indexing copies
+    if not every:
         batch = batch.index_select(0, torch.tensor(order, device=batch.device))
     return batch.to(dtype=torch.float32, device="cpu", copy=True).numpy()
 

@@ -122,6 +122,8 @@ for name, hook in (("released", release_thread_team), ("kept", None)):
     box[name + "_made"] = box["during"] - base
     box[name + "_after_torch"] = settle(base) - base
     runner.close()
+    for worker in [t for t in threading.enumerate() if t.name == "raylens-mod-call"]:
+        worker.join(10)  # gone before the next round counts its threads
     release_thread_team()
 print(json.dumps(box))
 """

@@ -133,5 +133,5 @@ def test_the_host_copy_is_float32_whatever_the_logits_dtype_and_never_aliases_th
         lent = host.lend(row)
         assert lent.dtype == np.float32 and lent.shape == (1, 6)
         assert np.array_equal(lent, batch[row:row + 1].float().numpy())
-        assert not np.shares_memory(lent, batch.float().numpy()) if dtype != torch.float32 else \
-            not np.shares_memory(lent, batch.numpy())
+        if dtype == torch.float32:  # numpy could have handed back a view of the engine's own
+            assert not np.shares_memory(lent, batch.numpy())
