@@ -45,6 +45,7 @@ class HostLogits:
         self.slot = {row: j for j, row in enumerate(rows or ())}
         self._host: np.ndarray | None = None
         self._lent: set[int] = set()
+        self._views: dict[int, tuple[np.ndarray, int]] = {}  # id(view) -> (the view lent, its slot)
         self._lock = threading.Lock()  # mods of different requests may run on different threads
         self._maxima: tuple[list[float], list[int]] | None = None
 
@@ -64,10 +65,17 @@ class HostLogits:
                 host = _host_copy(self.batch, list(self.slot))  # (M, V)
                 _LENT[id(host)] = self
                 self._host = host
-            return self._host[j:j + 1]
+            view = self._host[j:j + 1]
+            self._views[id(view)] = (view, j)
+            return view
 
     def slot_of(self, array: np.ndarray) -> int | None:
-        """The slot whose whole row ``array`` is (a view of this copy), else None."""
+        """The slot whose whole row ``array`` is (a view of this copy), else None. The view this
+        lent is known at once (the usual edit-and-return); another view of a row is placed by its
+        address."""
+        lent = self._views.get(id(array))
+        if lent is not None and lent[0] is array:
+            return lent[1]
         host = self._host
         if host is None or array.base is not host or array.size != host.shape[1]:
             return None

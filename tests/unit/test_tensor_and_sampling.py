@@ -167,3 +167,17 @@ def test_a_steps_host_copy_reuses_the_last_ones_memory_only_when_nothing_holds_i
     fourth = step(4.0)
     assert not np.shares_memory(fourth.lend(0), wrapped.tensor.numpy())
     assert torch.all(wrapped.tensor == 3.0)
+
+
+def test_from_numpy_knows_a_lent_row_by_the_view_lent_and_by_any_other_view_of_the_whole_row():
+    from engine.model.tensor import HostLogits
+
+    batch = torch.arange(3 * 4, dtype=torch.float32).view(3, 4)
+    host = HostLogits(batch, rows=[2, 0])
+    view = host.lend(0)  # slot 1
+    assert TensorShim.from_numpy(view).lent == (host, 1)
+    assert TensorShim.from_numpy(view[:]).lent == (host, 1)  # another view object of the same row
+    assert TensorShim.from_numpy(view.reshape(4)).lent == (host, 1)
+    assert TensorShim.from_numpy(view[:, :2]).lent is None  # part of a row: not a whole row of the copy
+    other = host.lend(2)  # slot 0
+    assert TensorShim.from_numpy(other).lent == (host, 0)
