@@ -319,4 +319,6 @@ def as_torch(value: Any, *, device: torch.device, dtype: torch.dtype | None = No
         t = torch.as_tensor(np.asarray(value.to_numpy()))
     else:
         t = torch.as_tensor(value)
+    if t.device == device and (dtype is None or t.dtype == dtype):  # as .to() would: the same tensor, for less
+        return t
     return t.to(device=device, dtype=dtype) if dtype is not None else t.to(device=device)
