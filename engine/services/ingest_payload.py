@@ -350,7 +350,7 @@ class PayloadBuilder:
                 self._tokens(record, details, action.tokens)
         elif isinstance(action, AdjustedLogits):
             shape = getattr(action.logits, "shape", None)
-            record["logits_shape"] = f"[{', '.join(str(int(d)) for d in shape)}]" if shape is not None else None
+            record["logits_shape"] = str(list(map(int, shape))) if shape is not None else None  # "[1, 49152]"
             record["temperature"] = None if action.token_temp is None else finite(float(action.token_temp))
         elif isinstance(action, ToolCalls):
             record["has_tool_calls"] = bool(action.tool_calls)
@@ -361,11 +361,13 @@ class PayloadBuilder:
     # ----------------------------------------------------------------------------- at the end
 
     def build(self, *, final_ids: Sequence[int], final_text: str, finish_reason: str, prompt_tokens: int,
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+              extra: dict[str, Any] | None = None, completed_at: float | None = None) -> dict[str, Any]:
         """The JSON payload; call once, after the loop. The request's outcome — ``finish_reason``
         and ``extra``'s non-null entries (its ``tool_calls``, its ``error``) — goes into
         ``request.inference_stats``: the backend stores that object (JSONB) and has no column of
-        its own for them, so anywhere else in the request they would be dropped without a trace."""
+        its own for them, so anywhere else in the request they would be dropped without a trace.
+        ``completed_at``: when the request ended (epoch seconds; default now), for a payload built
+        later than that."""
         if self._top:
             values = torch.stack([v[b] for _, v, _, b in self._top])[:, :TOP_TOKENS].cpu()  # one device→host copy
             indices = torch.stack([i[b] for _, _, i, b in self._top])[:, :TOP_TOKENS].cpu()
@@ -385,7 +387,7 @@ class PayloadBuilder:
         request = dict(self._request)
         request.update({
             "created_at": iso_time(self._created),
-            "completed_at": iso_time(datetime.now(timezone.utc).timestamp()),
+            "completed_at": iso_time(datetime.now(timezone.utc).timestamp() if completed_at is None else completed_at),
             "final_token_ids": [int(t) for t in final_ids if int(t) >= 0],
             "final_text": final_text,
             "inference_stats": {"prompt_tokens": prompt_tokens, "generated_tokens": len(final_ids),
