@@ -2,8 +2,9 @@
 
 It validates a request, applies the chat template, resolves mods and hands the request to the
 shared step loop (:mod:`engine.core.step_loop`), which batches every request in flight into one
-forward per step. When a request finishes, the engine decodes its text, builds its ingest payload
-and (when an ingest URL is configured) delivers it. Concurrent ``generate`` calls from any number
+forward per step. When a request finishes, the engine decodes its text and, when an ingest URL is
+configured, builds and delivers its ingest payload (otherwise the payload is built when the
+result's ``payload`` is first read). Concurrent ``generate`` calls from any number
 of threads (and the Ray GeneratorActor's concurrent calls) all join the one loop; ``submit`` and
 ``stream`` give a handle and a per-token stream for the HTTP layer.
 """

@@ -218,7 +218,8 @@ class StructuredConfig:
 class IngestConfig:
     """Where per-request observability payloads go.
 
-    ``url`` None: payloads are built (``GenerationResult.payload``) but not sent. Failed sends
+    ``url`` None: payloads are not sent; each is built when its ``GenerationResult.payload`` is
+    first read. Failed sends
     are written to ``spool_dir`` and replayed later, never dropped.
 
     ``mod_log_max_chars_per_call`` / ``mod_log_max_chars_per_request`` bound what mods printed or

@@ -1,15 +1,18 @@
 """The output side of a request, off the step thread: once a request leaves the batch, a finisher
-thread decodes its text, builds and delivers its ingest payload, and assembles its
+thread decodes its text, builds and delivers its ingest payload (or, when payloads go nowhere,
+leaves it to be built if the result's ``payload`` is read), and assembles its
 :class:`~engine.core.result.GenerationResult` and requests-table row. Nothing here runs while the
 batch steps, so a slow tokenizer or ingest backend never stalls other requests."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from typing import Any, Callable
 
 from engine.core.request import RequestState
-from engine.core.result import FinishReason, GenerationResult
+from engine.core.result import DeferredPayload, FinishReason, GenerationResult
 from engine.model.sampling import SamplingParams
 from engine.services.store import ActivationStore, RequestRecord
 
@@ -33,21 +36,24 @@ class OutputProcessor:
     def result(self, state: RequestState, elapsed_ms: float,
                steers: list[dict[str, Any]] | None = None) -> GenerationResult:
         """The finished request's result: the output with its stop tokens left out (and nothing when
-        it ended in tool calls), the ingest payload built and delivered, the store row written."""
+        it ended in tool calls), the ingest payload built and delivered (built on first read when
+        there is no ingest backend), the store row written."""
         tokens = state.forced_output if state.forced_output is not None else state.generated
         stop = state.request.stop_ids
         output_ids = [] if state.finish is FinishReason.TOOL_CALLS else [t for t in tokens if t not in stop]
         output_text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        payload = state.payload.build(final_ids=output_ids, final_text=output_text,  # type: ignore[attr-defined]
-                                      finish_reason=str(state.finish), prompt_tokens=len(state.prompt_ids),
-                                      extra={"tool_calls": state.tool_calls, "error": state.error})
+        payload: dict[str, Any] | DeferredPayload = DeferredPayload(functools.partial(
+            state.payload.build, final_ids=output_ids, final_text=output_text,  # type: ignore[attr-defined]
+            finish_reason=str(state.finish), prompt_tokens=len(state.prompt_ids),
+            extra={"tool_calls": state.tool_calls, "error": state.error}, completed_at=time.time()))
         metadata = self._metadata(state, elapsed_ms)
         given = state.request.caller_request_id
         if given is not None and given != state.request_id:
             metadata["given_request_id"] = given  # a reused id ran under a fresh one
         if steers:
             metadata["steers"] = list(steers)  # also in the requests table; never an ingest action
-        if self.ingest is not None:
+        if self.ingest is not None:  # sent now; otherwise built only if the result's payload is read
+            payload = payload.get()  # type: ignore[union-attr]
             delivery = self.ingest.send(payload)
             metadata["ingest"] = {"delivered": delivery.delivered, "spooled_to": delivery.spooled_to}
         sae = self.sae_metadata()
