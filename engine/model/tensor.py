@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import types
 import weakref
 from typing import Any
 
@@ -104,27 +103,20 @@ class _SpareCopy:
     action, event or result holds a view of it: every numpy view and every tensor made from one
     keeps its base alive, so CPython's reference count says so exactly."""
 
+    _UNHELD = 3  # self._array, the caller's local name, getrefcount's own argument
+
     def __init__(self) -> None:
         self._array: np.ndarray | None = None
         self._lock = threading.Lock()
         self.reused = 0  # how many copies went into reused memory (tests read it)
-        # what the count reads for an array only this object holds, measured the way take() reads
-        # it (an interpreter may count a local name or a call's argument differently)
-        self._unheld = _SpareCopy._count(types.SimpleNamespace(_array=np.empty(0, dtype=np.float32)))
-
-    @staticmethod
-    def _count(holder: Any) -> int:
-        return sys.getrefcount(holder._array)
 
     def take(self, rows: int, width: int) -> np.ndarray:
         """A ``(rows, width)`` float32 array nobody else holds, to copy into."""
         with self._lock:
-            spare = self._array  # (no name of this frame may hold it while it is counted)
-            fits = spare is not None and spare.shape == (rows, width)
-            del spare
-            if fits and self._count(self) == self._unheld:
+            array = self._array
+            if array is not None and array.shape == (rows, width) and sys.getrefcount(array) == self._UNHELD:
                 self.reused += 1
-                return self._array  # type: ignore[return-value]
+                return array
             array = self._array = np.empty((rows, width), dtype=np.float32)
             return array
 
