@@ -18,10 +18,10 @@ such a view (the usual edit-and-return of a logits mod) wraps it without copying
 
 from __future__ import annotations
 
-import sys
+from typing import Any
+
 import threading
 import weakref
-from typing import Any
 
 import numpy as np
 import torch
@@ -95,51 +95,16 @@ class HostLogits:
         return values[slot], indices[slot]
 
 
-class _SpareCopy:
-    """The memory of the last host copy, handed to the next one of the same shape once nothing
-    refers to it any more. A fresh array of a step's rows (64 × 49,152 floats: 12 MB) is mapped
-    anew by the allocator each time and its every page faulted in, which doubles the copy's cost
-    (measured: 1.37 ms against 0.72 into memory already mapped). Nothing refers to it when no mod,
-    action, event or result holds a view of it: every numpy view and every tensor made from one
-    keeps its base alive, so CPython's reference count says so exactly."""
-
-    _UNHELD = 3  # self._array, the caller's local name, getrefcount's own argument
-
-    def __init__(self) -> None:
-        self._array: np.ndarray | None = None
-        self._lock = threading.Lock()
-        self.reused = 0  # how many copies went into reused memory (tests read it)
-
-    def take(self, rows: int, width: int) -> np.ndarray:
-        """A ``(rows, width)`` float32 array nobody else holds, to copy into."""
-        with self._lock:
-            array = self._array
-            if array is not None and array.shape == (rows, width) and sys.getrefcount(array) == self._UNHELD:
-                self.reused += 1
-                return array
-            array = self._array = np.empty((rows, width), dtype=np.float32)
-            return array
-
-
-_SPARE = _SpareCopy()
-
-
 def _host_copy(batch: torch.Tensor, order: list[int]) -> np.ndarray:
     """Rows ``order`` of ``batch`` as a float32 host copy. This runs on the mods' thread: a float32
     CPU batch is copied by numpy, since a parallel torch op there would give that thread an OpenMP
     team of its own, and with two teams on the machine's cores libgomp stops spinning between
     regions, so every parallel op of the step loop's forward pays a futex wake-up (measured: reading
-    the logits cost a mod 19 % of the throughput at 64 concurrent requests, not the copy's 2 %).
-    The copy goes into the last step's memory when nothing holds that any more (:class:`_SpareCopy`)."""
+    the logits cost a mod 19 % of the throughput at 64 concurrent requests, not the copy's 2 %)."""
     every = order == list(range(batch.shape[0]))  # every row, in order: one plain copy
     if batch.device.type == "cpu" and batch.dtype == torch.float32:
         rows = batch.detach().numpy()
-        out = _SPARE.take(len(order), rows.shape[1])
-        if every:
-            np.copyto(out, rows)
-        else:
-            np.take(rows, order, axis=0, out=out)
-        return out
+        return rows.copy() if every else rows[order]  # fancy indexing copies
     if not every:
         batch = batch.index_select(0, torch.tensor(order, device=batch.device))
     return batch.to(dtype=torch.float32, device="cpu", copy=True).numpy()

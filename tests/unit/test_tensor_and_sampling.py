@@ -137,38 +137,6 @@ def test_the_host_copy_is_float32_whatever_the_logits_dtype_and_never_aliases_th
             assert not np.shares_memory(lent, batch.numpy())
 
 
-def test_a_steps_host_copy_reuses_the_last_ones_memory_only_when_nothing_holds_it():
-    """Each step's copy goes into the previous step's memory (a fresh 12 MB array a step costs a
-    page fault per page) — but never while a mod, an action or a result still holds a view of it:
-    what they hold keeps the values they were lent."""
-    import weakref
-
-    from engine.model.tensor import HostLogits
-
-    def step(values: float) -> HostLogits:
-        return HostLogits(torch.full((3, 5), values), rows=[0, 1, 2])
-
-    first = step(1.0)
-    kept = first.lend(1)  # a mod keeps its row past the step
-    held_memory = kept.base
-    del first
-    second = step(2.0)
-    fresh = second.lend(0)
-    assert not np.shares_memory(fresh, kept), "the next step's copy overwrote a row a mod still holds"
-    assert np.all(kept == 1.0) and np.all(fresh == 2.0)
-    second_memory = weakref.ref(fresh.base)  # (an address could come back from the allocator anyway)
-    del kept, held_memory, second, fresh  # nothing holds the second copy any more
-    third = step(3.0)
-    reused = third.lend(2)
-    assert reused.base is second_memory(), "a copy nobody holds was not reused"
-    assert np.all(reused == 3.0)
-    wrapped = TensorShim.from_numpy(reused)  # an action made of the row holds it too
-    del reused, third
-    fourth = step(4.0)
-    assert not np.shares_memory(fourth.lend(0), wrapped.tensor.numpy())
-    assert torch.all(wrapped.tensor == 3.0)
-
-
 def test_from_numpy_knows_a_lent_row_by_the_view_lent_and_by_any_other_view_of_the_whole_row():
     from engine.model.tensor import HostLogits
 
