@@ -279,12 +279,15 @@ class RequestMachine:
         """Make the trace of the fast path the events and payload records the mod path makes as
         it goes, in the same order and with the same times (after the request left the batch,
         off the loop's thread; its tokens only grew, so each ForwardPass's input ids are a
-        prefix of the final sequence)."""
+        prefix of the final sequence). The payload records are made when the payload is built
+        (:meth:`~engine.services.ingest_payload.PayloadBuilder.event_later`), which, with no
+        ingest URL, is only if the result's payload is read."""
         state, trace = self.state, self._trace
         if not trace:
             return
         self._trace = []
         tokens = state.tokens
+        later = []
         for entry in trace:
             kind = entry[0]
             top = None
@@ -303,7 +306,8 @@ class RequestMachine:
                 _, step, at, added, forced = entry
                 event = Added(state.request_id, step, added, forced)
             state.events.append(event)
-            state.payload.event(event, top, at=at)
+            later.append((event, top, at))
+        state.payload.event_later(later)
 
     def _sample_row(self, plan: StepPlan) -> SampleRow:
         """What this step samples from: the (possibly adjusted) logits, the sampling values, and

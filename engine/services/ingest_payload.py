@@ -188,6 +188,7 @@ class PayloadBuilder:
         self._mod_logs: list[dict[str, Any]] = []
         self._actions: list[dict[str, Any]] = []
         self._texts = _PendingTexts()
+        self._later: list[tuple[ModEvent, Any, float]] = []  # event_later's, recorded at build
         self._fed_upto: int | None = None
         self._budget = _LogBudget(limits or IngestConfig())
 
@@ -222,6 +223,12 @@ class PayloadBuilder:
             record["forced"] = bool(event.forced)
         self._events.append(record)
         return index
+
+    def event_later(self, events: Sequence[tuple[ModEvent, Any, float]]) -> None:
+        """``(event, top, at)`` each, recorded as :meth:`event` would, in order, when the payload
+        is built: for events made after the request ended (a request nobody watched step by step),
+        which come after every event recorded before them."""
+        self._later.extend(events)
 
     def _record_forward(self, record: dict[str, Any], event: ForwardPass,
                         top: tuple[torch.Tensor, torch.Tensor, int] | None) -> None:
@@ -368,6 +375,9 @@ class PayloadBuilder:
         its own for them, so anywhere else in the request they would be dropped without a trace.
         ``completed_at``: when the request ended (epoch seconds; default now), for a payload built
         later than that."""
+        later, self._later = self._later, []
+        for event, top, at in later:
+            self.event(event, top, at=at)
         if self._top:
             values = torch.stack([v[b] for _, v, _, b in self._top])[:, :TOP_TOKENS].cpu()  # one device→host copy
             indices = torch.stack([i[b] for _, _, i, b in self._top])[:, :TOP_TOKENS].cpu()

@@ -47,3 +47,23 @@ def test_a_result_pickled_before_its_payload_was_read_carries_the_built_payload(
     copied = pickle.loads(pickle.dumps(result))
     assert isinstance(copied.payload, dict) and copied.payload == result.payload
     assert_payload_valid(copied.payload)
+
+
+def test_a_mod_free_requests_step_records_are_made_when_its_payload_is_built(engine, monkeypatch):
+    """A request nobody watched step by step gets its events when it ends; their payload records
+    wait for the payload's build (with no ingest URL, its first read), in the events' order."""
+    recorded: list[str] = []
+    original = ingest_payload.PayloadBuilder.event
+
+    def counting(self, event, top=None, at=None):
+        recorded.append(type(event).__name__)
+        return original(self, event, top, at)
+
+    monkeypatch.setattr(ingest_payload.PayloadBuilder, "event", counting)
+    result = engine.generate("What is the capital of France?", max_tokens=6, temperature=0.0)
+    assert "Sampled" not in recorded and "Added" not in recorded, "step records were made at finish"
+    payload = result.payload
+    assert [e["event_type"] for e in payload["events"]] == [type(e).__name__ for e in result.events]
+    assert [e["sequence_order"] for e in payload["events"]] == list(range(len(result.events)))
+    assert sum(e["event_type"] == "ForwardPass" for e in payload["events"]) == len(result.output_ids)
+    assert_payload_valid(payload)
