@@ -219,8 +219,7 @@ class IngestConfig:
     """Where per-request observability payloads go.
 
     ``url`` None: payloads are not sent; each is built when its ``GenerationResult.payload`` is
-    first read. Failed sends
-    are written to ``spool_dir`` and replayed later, never dropped.
+    first read. Failed sends are written to ``spool_dir`` and replayed later, never dropped.
 
     ``mod_log_max_chars_per_call`` / ``mod_log_max_chars_per_request`` bound what mods printed or
     logged in one payload. The backend refuses bodies over 75 MiB (HTTP 413), and one chatty mod
