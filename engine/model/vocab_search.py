@@ -1,15 +1,17 @@
 """Exact searches over a vocabulary's scores in chunks, for a CPU.
 
-On a CPU the index-tracking reductions over a whole vocabulary (``topk``, ``max(dim)``,
-``argmax``) cost far more than a plain ``amax``, which is vectorised. Both searches here first take
+On a CPU torch's index-tracking reductions over a whole vocabulary (``topk``, ``max(dim)``,
+``argmax``) cost far more than a plain ``amax``, which is vectorised. The searches here first take
 the maxima of chunks of ``CHUNK`` ids with ``amax``, then look only where those maxima say the
-answer is; they give exactly what the plain ops give (tested against them).
+answer is (a float32 row's maximum is found by numpy's vectorised ``argmax`` instead); they give
+exactly what the plain ops give (tested against them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["CHUNK", "vocab_topk_ids", "row_max"]
@@ -41,11 +43,17 @@ def vocab_topk_ids(scores: Any, k: int) -> Any:
 def row_max(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores (M, V)`` → each row's maximum ``(M,)`` and the index of its first occurrence
     ``(M,)``: what ``scores.max(dim=-1)`` gives. On a CPU that op tracks an index for every element
-    and costs twenty times a plain ``amax`` (64 rows × 49,152: 3 ms against 0.15), so a large
-    vocabulary is searched in two ``amax`` stages: the maxima of chunks of 256 ids, the first chunk
-    holding the row's maximum, and the first position in it that equals it. A NaN row's index is
-    unspecified (its maximum is NaN, which every caller refuses)."""
+    and costs twenty times a plain ``amax`` (64 rows × 49,152: 3 ms against 0.15). A float32 batch
+    is searched by numpy's ``argmax``, one vectorised pass a row that keeps the first maximum (0.55
+    ms at that size against 0.77 for the two ``amax`` stages below, which serve other dtypes: the
+    maxima of chunks of 256 ids, the first chunk holding the row's maximum, and the first position
+    in it that equals it). A NaN row's index is unspecified (its maximum is NaN, which every caller
+    refuses)."""
     m, v = scores.shape
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and m and v:
+        array = scores.detach().numpy()  # the same memory: no copy
+        index = array.argmax(axis=1)
+        return torch.from_numpy(array[np.arange(m), index]), torch.from_numpy(index.astype(np.int64, copy=False))
     n = v // CHUNK
     if scores.device.type != "cpu" or n < 2 or m == 0:
         return scores.max(dim=-1)

@@ -1,5 +1,6 @@
-"""row_max: each row's maximum and its first index, as ``max(dim=-1)`` gives them, found in two
-``amax`` stages on a CPU (the index-tracking reduction costs twenty times an ``amax``)."""
+"""row_max: each row's maximum and its first index, as ``max(dim=-1)`` gives them — by numpy's
+``argmax`` for a float32 CPU batch, in two ``amax`` stages for other dtypes (the index-tracking
+reduction costs twenty times an ``amax``). Every case runs on both paths."""
 
 import pytest
 import torch
@@ -7,22 +8,29 @@ import torch
 from engine.model.vocab_search import row_max
 
 
+# float32 takes numpy's argmax, float64 the two amax stages
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+
+
 def _same(scores: torch.Tensor) -> None:
     values, indices = row_max(scores)
+    assert indices.dtype == torch.long and values.dtype == scores.dtype
     want_values, want_indices = scores.max(dim=-1)
     assert torch.equal(values, want_values)
     assert torch.equal(indices, want_indices), (indices, want_indices)
 
 
+@DTYPES
 @pytest.mark.parametrize("vocab", [49152, 49152 + 77, 1000, 513, 300, 7])
-def test_random_rows_match_max(vocab):
+def test_random_rows_match_max(vocab, dtype):
     torch.manual_seed(vocab)
-    _same(torch.randn(9, vocab))
+    _same(torch.randn(9, vocab, dtype=dtype))
 
 
-def test_ties_take_the_first_maximum_across_chunks_and_the_tail():
+@DTYPES
+def test_ties_take_the_first_maximum_across_chunks_and_the_tail(dtype):
     v = 256 * 8 + 40
-    scores = torch.randn(6, v)
+    scores = torch.randn(6, v, dtype=dtype)
     scores[0, [700, 300, 1900]] = 50.0  # equal maxima in three chunks: the first (300)
     scores[1, [256 * 8 + 5, 256 * 8 + 30]] = 50.0  # only in the tail, twice: the first of them
     scores[2, [256 * 8 + 5, 1000]] = 50.0  # in a chunk and in the tail: the chunk's comes first
@@ -34,18 +42,32 @@ def test_ties_take_the_first_maximum_across_chunks_and_the_tail():
     _same(scores)
 
 
-def test_lone_row_of_a_whole_chunk_vocabulary_and_a_max_at_each_end():
-    scores = torch.randn(2, 256 * 4)
+@DTYPES
+def test_lone_row_of_a_whole_chunk_vocabulary_and_a_max_at_each_end(dtype):
+    scores = torch.randn(2, 256 * 4, dtype=dtype)
     scores[0, 0] = 9.0
     scores[1, -1] = 9.0
     _same(scores)
 
 
-def test_nan_and_inf_values_are_reported_for_the_caller_to_refuse():
-    scores = torch.randn(3, 256 * 3)
+@DTYPES
+def test_nan_and_inf_values_are_reported_for_the_caller_to_refuse(dtype):
+    scores = torch.randn(3, 256 * 3, dtype=dtype)
     scores[0, 17] = float("nan")
     scores[1, 600] = float("inf")
     values, indices = row_max(scores)
     assert torch.isnan(values[0]) and values[1] == float("inf") and int(indices[1]) == 600
     assert torch.equal(values[2:], scores[2:].max(dim=-1).values)
     assert torch.equal(indices[2:], scores[2:].max(dim=-1).indices)
+
+
+def test_a_float32_batch_that_is_a_strided_view_or_needs_grad_is_read_in_place():
+    """The numpy path reads the tensor's own memory: a column slice (rows not contiguous) and a
+    tensor that requires grad give what ``max`` gives."""
+    scores = torch.randn(5, 2000)
+    _same(scores[:, 100:1900])
+    _same(scores[::2])
+    grad = torch.randn(3, 700, requires_grad=True)
+    values, indices = row_max(grad)
+    want = grad.detach().max(dim=-1)
+    assert torch.equal(values, want.values) and torch.equal(indices, want.indices)
