@@ -81,6 +81,8 @@ class RequestMachine:
         self.fast = self._mod_free and state.on_event is None
         self._trace: list[tuple[Any, ...]] = []
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
+        self._host_row = -1  # this request's row in it
+        self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
         self._calls: CallRunner | None = None  # where its mods' calls run outside a phase (start)
 
     @property
@@ -209,7 +211,10 @@ class RequestMachine:
             self._parts = []
         state.output = output
         if self._reads_logits:
+            last, source = self._host, output.source
+            self._read_logits = last is not None and last.was_lent(self._host_row)
             self._host = output.host_logits()  # one host copy of the step's logits for every mod
+            self._host_row = source[1] if source is not None else -1
         self._report_forward(row)
         if state.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
             state.status = RequestStatus.DECODING
@@ -233,6 +238,10 @@ class RequestMachine:
         state = self.state
         state.force_accepted = False
         state.step_committed = []
+        if self._read_logits and self._host is not None:
+            # its mods read the logits last step: copy the step's rows for mods now, on the loop's
+            # thread (every row is in by now), rather than at the first read on the mods' thread
+            self._host.copy_now()
         plan = self.actions.apply_forward_pass_actions((yield from self._dispatch(self._forward_event())))
         if state.finish is not None:
             return None

@@ -11,8 +11,10 @@ GPU the copy happens only when a mod asks for it.
 
 A step's logits reach mods through :class:`HostLogits`: when the first mod of a step reads its
 logits, the rows of every request with mods are copied to the host at once (one copy, not one per
-request), and each row's first ``to_numpy()`` is a writable view of that copy — its own, as no
-other reader ever sees it (a second read of the same row gets a fresh copy). ``from_numpy`` of
+request) — or before any mod runs, on the step loop's thread, when a mod read its logits the step
+before (:meth:`HostLogits.copy_now`) — and each row's first ``to_numpy()`` is a writable view of
+that copy — its own, as no other reader ever sees it (a second read of the same row gets a fresh
+copy). ``from_numpy`` of
 such a view (the usual edit-and-return of a logits mod) wraps it without copying again.
 """
 
@@ -37,8 +39,8 @@ _LENT: "weakref.WeakValueDictionary[int, HostLogits]" = weakref.WeakValueDiction
 
 class HostLogits:
     """One step's logits ``(B, V)`` as the mods of the requests in ``rows`` read them: one float32
-    host copy of those rows, made at the first read; each row's first :meth:`lend` is a ``(1, V)``
-    view of it, later ones None (the reader copies)."""
+    host copy of those rows, made at the first read (or ahead, :meth:`copy_now`); each row's first
+    :meth:`lend` is a ``(1, V)`` view of it, later ones None (the reader copies)."""
 
     def __init__(self, batch: torch.Tensor, rows: list[int] | None = None) -> None:
         self.batch = batch
@@ -52,6 +54,26 @@ class HostLogits:
     def add(self, row: int) -> None:
         """Row ``row``'s mods may read it (before anything is lent)."""
         self.slot.setdefault(row, len(self.slot))
+
+    def was_lent(self, row: int) -> bool:
+        """Whether row ``row`` was read (its first ``to_numpy()``)."""
+        return row in self._lent
+
+    def copy_now(self) -> None:
+        """Make the host copy of a CPU float32 batch now, on the calling thread, before any mod
+        asks: called from the step loop's thread once every row is added, when a mod read its
+        logits the step before, so that the copy is a parallel torch op on the thread that owns the
+        OpenMP workers (64 rows × 49,152: 0.8 ms against 1.3 for the mods' thread's single-threaded
+        numpy copy). Nothing is lent; the copy is the one :meth:`lend` would make. Another batch
+        (a GPU's) is still copied at the first read."""
+        batch = self.batch
+        if batch.device.type != "cpu" or batch.dtype != torch.float32:  # read at the first lend, as before
+            return
+        with self._lock:
+            if self._host is None and self.slot:
+                host = _host_copy(batch, list(self.slot), parallel=True)
+                _LENT[id(host)] = self
+                self._host = host
 
     def lend(self, row: int) -> np.ndarray | None:
         j = self.slot.get(row)
@@ -95,14 +117,18 @@ class HostLogits:
         return values[slot], indices[slot]
 
 
-def _host_copy(batch: torch.Tensor, order: list[int]) -> np.ndarray:
-    """Rows ``order`` of ``batch`` as a float32 host copy. This runs on the mods' thread: a float32
-    CPU batch is copied by numpy, since a parallel torch op there would give that thread an OpenMP
-    team of its own, and with two teams on the machine's cores libgomp stops spinning between
-    regions, so every parallel op of the step loop's forward pays a futex wake-up (measured: reading
-    the logits cost a mod 19 % of the throughput at 64 concurrent requests, not the copy's 2 %)."""
+def _host_copy(batch: torch.Tensor, order: list[int], parallel: bool = False) -> np.ndarray:
+    """Rows ``order`` of ``batch`` as a float32 host copy. On the mods' thread (``parallel`` False)
+    a float32 CPU batch is copied by numpy, since a parallel torch op there would give that thread
+    an OpenMP team of its own, and with two teams on the machine's cores libgomp stops spinning
+    between regions, so every parallel op of the step loop's forward pays a futex wake-up (measured:
+    reading the logits cost a mod 19 % of the throughput at 64 concurrent requests, not the copy's
+    2 %). ``parallel``: the caller is the step loop's thread, whose team torch's copy may use."""
     every = order == list(range(batch.shape[0]))  # every row, in order: one plain copy
     if batch.device.type == "cpu" and batch.dtype == torch.float32:
+        if parallel:
+            rows = batch.detach()
+            return (rows.clone() if every else rows.index_select(0, torch.tensor(order))).numpy()
         rows = batch.detach().numpy()
         return rows.copy() if every else rows[order]  # fancy indexing copies
     if not every:

@@ -149,3 +149,35 @@ def test_from_numpy_knows_a_lent_row_by_the_view_lent_and_by_any_other_view_of_t
     assert TensorShim.from_numpy(view[:, :2]).lent is None  # part of a row: not a whole row of the copy
     other = host.lend(2)  # slot 0
     assert TensorShim.from_numpy(other).lent == (host, 0)
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]], ids=["every row", "some rows"])
+def test_a_copy_made_ahead_is_the_copy_a_first_read_would_make(rows):
+    """copy_now (the step loop's thread, before any mod asks) makes the copy lend() would make at
+    the first read: float32, the engine's values, never aliasing them, each row's first read a
+    writable view of it that from_numpy knows; nothing is lent by making it."""
+    from engine.model.tensor import HostLogits
+
+    batch = torch.arange(4 * 6, dtype=torch.float32).view(4, 6) / 7
+    ahead, lazy = HostLogits(batch, rows=rows), HostLogits(batch, rows=rows)
+    ahead.copy_now()
+    made = ahead._host
+    assert made is not None and not any(ahead.was_lent(row) for row in rows)
+    ahead.copy_now()
+    assert ahead._host is made, "a second copy_now made another copy"
+    for row in rows:
+        mine, theirs = ahead.lend(row), lazy.lend(row)
+        assert ahead.was_lent(row) and np.array_equal(mine, theirs) and mine.dtype == np.float32
+        assert mine.flags.writeable and not np.shares_memory(mine, batch.numpy())
+        assert TensorShim.from_numpy(mine).lent == (ahead, ahead.slot[row])
+    assert ahead.lend(rows[0]) is None, "a row's second read must be the reader's own copy"
+
+
+def test_a_batch_that_is_not_cpu_float32_is_still_copied_at_the_first_read():
+    from engine.model.tensor import HostLogits
+
+    batch = (torch.arange(2 * 6, dtype=torch.float32).view(2, 6) / 7).to(torch.bfloat16)
+    host = HostLogits(batch, rows=[0, 1])
+    host.copy_now()
+    assert host._host is None
+    assert np.array_equal(host.lend(1), batch[1:2].float().numpy())
