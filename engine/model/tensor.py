@@ -11,11 +11,11 @@ GPU the copy happens only when a mod asks for it.
 
 A step's logits reach mods through :class:`HostLogits`: when the first mod of a step reads its
 logits, the rows of every request with mods are copied to the host at once (one copy, not one per
-request) — or before any mod runs, on the step loop's thread, when a mod read its logits the step
-before (:meth:`HostLogits.copy_now`) — and each row's first ``to_numpy()`` is a writable view of
+request; or before any mod runs, on the step loop's thread, when a mod read its logits the step
+before: :meth:`HostLogits.copy_now`), and each row's first ``to_numpy()`` is a writable view of
 that copy — its own, as no other reader ever sees it (a second read of the same row gets a fresh
-copy). ``from_numpy`` of
-such a view (the usual edit-and-return of a logits mod) wraps it without copying again.
+copy). ``from_numpy`` of such a view (the usual edit-and-return of a logits mod) wraps it without
+copying again.
 """
 
 from __future__ import annotations
