@@ -20,10 +20,9 @@ copying again.
 
 from __future__ import annotations
 
-from typing import Any
-
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,9 +70,7 @@ class HostLogits:
             return
         with self._lock:
             if self._host is None and self.slot:
-                host = _host_copy(batch, list(self.slot), parallel=True)
-                _LENT[id(host)] = self
-                self._host = host
+                self._copy(parallel=True)
 
     def lend(self, row: int) -> np.ndarray | None:
         j = self.slot.get(row)
@@ -83,13 +80,17 @@ class HostLogits:
             if row in self._lent:
                 return None
             self._lent.add(row)
-            if self._host is None:
-                host = _host_copy(self.batch, list(self.slot))  # (M, V)
-                _LENT[id(host)] = self
-                self._host = host
-            view = self._host[j:j + 1]
+            host = self._host if self._host is not None else self._copy(parallel=False)
+            view = host[j:j + 1]
             self._views[id(view)] = (view, j)
             return view
+
+    def _copy(self, *, parallel: bool) -> np.ndarray:
+        """Make the step's one host copy ``(M, V)`` (the caller holds the lock) and register it, so
+        that ``from_numpy`` knows the views it lends."""
+        host = self._host = _host_copy(self.batch, list(self.slot), parallel=parallel)
+        _LENT[id(host)] = self
+        return host
 
     def slot_of(self, array: np.ndarray) -> int | None:
         """The slot whose whole row ``array`` is (a view of this copy), else None. The view this
