@@ -76,6 +76,11 @@ class CaptureBuffer:
             self._parts.append(CapturedLog("".join(self._stdout), "INFO", self._stdout_started))
             self._stdout = []
 
+    @property
+    def empty(self) -> bool:
+        """Nothing was printed or logged."""
+        return not self._parts and not self._stdout
+
     def logs(self) -> tuple[CapturedLog, ...]:
         self._flush_stdout()
         return tuple(self._parts)

@@ -154,6 +154,13 @@ class _Pending:
         self.name = mod_name(mod)
         self.started_at, self.elapsed_ms, self.stack = 0.0, 0.0, ""
 
+    @property
+    def quiet(self) -> bool:
+        """It returned a Noop and printed, logged and raised nothing (an abandoned call is not)."""
+        outcome = self.outcome
+        return (outcome is not None and outcome[1] is None and isinstance(outcome[0], Noop)
+                and self.buffer.empty)  # type: ignore[union-attr]
+
     def run(self) -> None:
         """Call the mod with its output captured; never raises (everything is recorded). Skipped
         when an earlier call on the same event was fatal."""
@@ -394,12 +401,26 @@ class ModManager:
             out.append(previous)
         return out
 
-    def records(self, pendings: Sequence[_Pending]) -> list[ModCall]:
+    def records(self, pendings: Sequence[_Pending], *, silent: bool = True) -> list[ModCall]:
         """What each call did (calls skipped after a fatal one are left out); counted in
-        :attr:`call_stats`."""
+        :attr:`call_stats`. ``silent`` False: a call that returned a Noop and printed, logged and
+        raised nothing gets no record (it is only counted): a caller that applies and records what
+        mods did has nothing to do for one, and most calls are such."""
+        stats = self.call_stats
+        if not silent:
+            loud = []
+            for p in pendings:
+                if p.skipped:
+                    continue
+                if p.quiet:
+                    stats.calls += 1
+                    stats.seconds += p.elapsed_ms / 1000.0
+                else:
+                    loud.append(p)
+            pendings = loud
         calls = [self._record(p) for p in pendings if not p.skipped]
         for call in calls:
-            self.call_stats.record(call)
+            stats.record(call)
         return calls
 
     def _record(self, pending: _Pending) -> ModCall:
@@ -429,11 +450,14 @@ class ModManager:
                        pending.outcome is None, fatal)
 
 
-def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunner) -> list[list[ModCall]]:
+def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunner, *,
+                   silent: bool = True) -> list[list[ModCall]]:
     """Every mod of every ``(manager, event)`` job, in order, with one hand-off to ``runner``'s
     thread for all the calls that have a time limit (a step of many requests pays one thread
     switch per phase, not one per call); a manager without a limit calls its mods inline, in
-    turn. Returns each job's records, as :meth:`ModManager.dispatch_traced` would."""
+    turn. Returns each job's records, as :meth:`ModManager.dispatch_traced` would; ``silent``
+    False leaves out the calls that returned a Noop and printed, logged and raised nothing
+    (:meth:`ModManager.records`)."""
     groups = [manager.pending_calls(event) for manager, event in jobs]
     segment: list[_Pending] = []
     for manager, pendings in zip((m for m, _ in jobs), groups):
@@ -447,7 +471,7 @@ def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunn
             segment.extend(pendings)
     if segment:
         runner.run(segment)
-    return [manager.records(pendings) for (manager, _), pendings in zip(jobs, groups)]
+    return [manager.records(pendings, silent=silent) for (manager, _), pendings in zip(jobs, groups)]
 
 
 def _timeout_record(timeout: ModCallTimeout, stack: str) -> ModException:

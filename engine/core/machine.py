@@ -469,9 +469,12 @@ class RequestMachine:
         manager = self.state.manager
         if self._calls is None:
             return self._items(index, manager.dispatch_traced(event))
-        return self._items(index, dispatch_batch([(manager, event)], self._calls)[0])
+        return self._items(index, dispatch_batch([(manager, event)], self._calls, silent=False)[0])
 
     def _items(self, index: int, calls: Sequence[ModCall]) -> list[Call]:
+        """The calls to apply and record (a silent Noop has no record: nothing to do for it)."""
+        if not calls:
+            return []
         items = [Call(c, i) for c, i in zip(calls, self.state.payload.calls(index, calls))]
         return items if self.actions.check_fatal_calls(items) else []
 

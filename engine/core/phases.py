@@ -49,7 +49,8 @@ def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRun
         advance(i, None)
     while waiting:
         now, waiting[:] = list(waiting), []
-        calls = dispatch_batch([(phases[i][0].manager, event) for i, event in now], runner)
+        # silent Noops (most calls) come back without a record: there is nothing to apply or record for one
+        calls = dispatch_batch([(phases[i][0].manager, event) for i, event in now], runner, silent=False)
         for (i, _), made in zip(now, calls):
             advance(i, made)
     return results

@@ -99,3 +99,40 @@ def test_the_stdout_router_is_installed_once_not_per_call():
     with capture_mod_output():
         pass
     assert sys.stdout is router
+
+
+def test_silent_noops_get_no_record_when_the_caller_asks_but_are_counted():
+    from mods.manager import CallRunner, dispatch_batch
+
+    @mod
+    def silent(event, actions, tokenizer):
+        return None
+
+    @mod
+    def printing(event, actions, tokenizer):
+        print("hello")
+
+    @mod
+    def acting(event, actions, tokenizer):
+        return actions.force_tokens([5])
+
+    def raising(event, tokenizer=None):
+        raise ValueError("bad")
+
+    quiet = ModManager([silent, silent], call_timeout_s=30.0)
+    loud = ModManager([silent, printing, acting, raising, silent], call_timeout_s=30.0)
+    inline = ModManager([silent, acting], call_timeout_s=None)
+    runner = CallRunner()
+    try:
+        jobs = [(quiet, Sampled("a", 0, 1)), (loud, Sampled("b", 0, 1)), (inline, Sampled("c", 0, 1))]
+        kept = dispatch_batch(jobs, runner, silent=False)
+        assert kept[0] == []
+        assert [c.mod_name for c in kept[1]] == ["printing", "acting", "raising"]
+        assert [c.mod_name for c in kept[2]] == ["acting"]
+        assert (quiet.call_stats.calls, loud.call_stats.calls, inline.call_stats.calls) == (2, 5, 2)
+        assert loud.call_stats.errors == 1
+        everything = dispatch_batch(jobs, runner)  # the default: a record for every call
+        assert [len(calls) for calls in everything] == [2, 5, 2]
+        assert all(isinstance(c.action, Noop) and not c.noteworthy for c in everything[0])
+    finally:
+        runner.close()
