@@ -40,7 +40,8 @@ import torch
 
 from engine.config import IngestConfig
 from engine.services.strict_json import dumps, finite
-from mods.manager import ModCall
+from mods.capture import CapturedLog
+from mods.manager import ModCall, ModException
 from mods.types import (
     Added,
     AdjustedLogits,
@@ -58,6 +59,9 @@ from mods.types import (
 )
 
 __all__ = ["PayloadBuilder", "iso_time", "MOD_LOG_ENTRY_OVERHEAD"]
+
+# what a PayloadBuilder's log entry is (its first item)
+_EVENT, _CALL, _ADJUSTED, _ACTION, _STEER = (object() for _ in range(5))
 
 TOP_TOKENS = 20
 _INPUT_TEXT_CHARS = 70
@@ -171,6 +175,19 @@ def _cut_marker(chars: int, entries: int, scope: str, key: str, limit: int) -> s
             f"`ingest.{key}` = {limit:,}]")
 
 
+@dataclass(slots=True)
+class _CallFacts:
+    """What a mod call's ``mod_calls`` and ``mod_logs`` records say (a :class:`ModCall` less its action)."""
+
+    mod_name: str
+    event_type: str
+    step: int
+    started_at: float
+    elapsed_ms: float
+    exception: ModException | None
+    logs: tuple[CapturedLog, ...]
+
+
 class PayloadBuilder:
     """Builds one request's payload. ``limits``: the ``ingest`` config whose mod-log limits apply
     (default: :class:`IngestConfig`'s defaults)."""
@@ -189,6 +206,11 @@ class PayloadBuilder:
         self._actions: list[dict[str, Any]] = []
         self._texts = _PendingTexts()
         self._later: list[tuple[ModEvent, Any, float]] = []  # event_later's, recorded at build
+        # what the loop recorded, in order, as small facts made into JSON records at build: a
+        # request's payload is built once, at its end, and only when something reads or sends it
+        self._log: list[tuple[Any, ...]] = []
+        self._event_count = 0
+        self._call_count = 0
         self._fed_upto: int | None = None
         self._budget = _LogBudget(limits or IngestConfig())
 
@@ -199,29 +221,28 @@ class PayloadBuilder:
         """Record ``event``; for a ForwardPass, ``top`` is ``(values (B, k), ids (B, k), row)``: the
         top log-probs and ids the backend computed for the whole batch, and this request's row
         (the record's ``top_tokens``; none without). ``at``: when it happened (epoch seconds;
-        default now), for an event recorded after the fact."""
-        index = len(self._events)
-        record: dict[str, Any] = {
-            "event_type": type(event).__name__,
-            "step": int(event.step),
-            "sequence_order": index,
-            # time.time() is what datetime.now(utc).timestamp() reads, at a tenth of the cost
-            "created_at": time.time() if at is None else at,
-        }
+        default now), for an event recorded after the fact. What the record needs is read now (a
+        mod may change the event later); the record is made at build."""
+        index = self._event_count
+        self._event_count += 1
+        # time.time() is what datetime.now(utc).timestamp() reads, at a tenth of the cost
+        at = time.time() if at is None else at
+        facts: tuple[Any, ...]
         if isinstance(event, Prefilled):
-            record["prompt_length"] = len(event.input_ids or getattr(event.context_info, "tokens", []) or [])
-            record["max_steps"] = int(event.max_steps)
+            facts = (len(event.input_ids or getattr(event.context_info, "tokens", []) or []), int(event.max_steps))
             self._fed_upto = None
         elif isinstance(event, ForwardPass):
-            self._record_forward(record, event, top)
+            ids = event.input_ids or []  # the event's own list: read, never kept or changed
+            fed = ids[:] if self._fed_upto is None else (ids[self._fed_upto:] or ids[-1:])
+            self._fed_upto = len(ids)
+            facts = (fed, top)
         elif isinstance(event, Sampled):
-            record["sampled_token"] = int(event.sampled_token)
-            self._texts.add(record, "token_text", [event.sampled_token], _TOKEN_TEXT_CHARS)
+            facts = (int(event.sampled_token),)
         elif isinstance(event, Added):
-            record["added_tokens"] = [int(t) for t in event.added_tokens]
-            record["added_token_count"] = len(event.added_tokens)
-            record["forced"] = bool(event.forced)
-        self._events.append(record)
+            facts = ([int(t) for t in event.added_tokens], bool(event.forced))
+        else:
+            facts = ()
+        self._log.append((_EVENT, type(event), int(event.step), at, facts))
         return index
 
     def event_later(self, events: Sequence[tuple[ModEvent, Any, float]]) -> None:
@@ -230,45 +251,70 @@ class PayloadBuilder:
         which come after every event recorded before them."""
         self._later.extend(events)
 
-    def _record_forward(self, record: dict[str, Any], event: ForwardPass,
-                        top: tuple[torch.Tensor, torch.Tensor, int] | None) -> None:
-        ids = event.input_ids or []  # the event's own list: read, never kept or changed
-        fed = ids if self._fed_upto is None else (ids[self._fed_upto:] or ids[-1:])
-        self._fed_upto = len(ids)
-        self._texts.add(record, "input_text", fed, _INPUT_TEXT_CHARS)
-        if top is not None:  # stays on device until build: no per-step sync
-            self._top.append((record, top[0], top[1], top[2]))  # cut to TOP_TOKENS once, at build
+    def _event_record(self, kind: type, step: int, at: float, facts: tuple[Any, ...]) -> None:
+        record: dict[str, Any] = {
+            "event_type": kind.__name__,
+            "step": step,
+            "sequence_order": len(self._events),
+            "created_at": at,
+        }
+        if issubclass(kind, Prefilled):
+            record["prompt_length"], record["max_steps"] = facts
+        elif issubclass(kind, ForwardPass):
+            fed, top = facts
+            self._texts.add(record, "input_text", fed, _INPUT_TEXT_CHARS)
+            if top is not None:  # stays on device until build: no per-step sync
+                self._top.append((record, top[0], top[1], top[2]))  # cut to TOP_TOKENS once, at build
+        elif issubclass(kind, Sampled):
+            (token,) = facts
+            record["sampled_token"] = token
+            self._texts.add(record, "token_text", [token], _TOKEN_TEXT_CHARS)
+        elif issubclass(kind, Added):
+            tokens, forced = facts
+            record["added_tokens"] = tokens
+            record["added_token_count"] = len(tokens)
+            record["forced"] = forced
+        self._events.append(record)
 
     def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]:
+        """Record the noteworthy ``calls`` of event ``event_index`` (a call record is read, never
+        changed); each one's position in ``mod_calls``, None for one not recorded."""
         indices: list[int | None] = []
         for call in calls:
             if not call.noteworthy:
                 indices.append(None)
                 continue
-            index = len(self._mod_calls)
-            record: dict[str, Any] = {
-                "event_sequence_order": event_index,
-                "mod_name": call.mod_name[:255],
-                "event_type": call.event_type,
-                "step": int(call.step),
-                "created_at": call.started_at,
-                "execution_time_ms": round(call.elapsed_ms, 4),
-                "exception_occurred": call.exception is not None,
-            }
-            call_left = self._budget.per_call
-            if call.exception is not None:
-                message, cost = self._bounded(f"{call.exception.type}: {call.exception.message}", index, call, call_left)
-                record["exception_message"] = message
-                call_left -= cost
-                traceback, cost = self._bounded(call.exception.traceback, index, call, call_left)
-                record["exception_traceback"] = traceback
-                call_left -= cost
-            self._mod_calls.append(record)
-            self._record_logs(index, call, call_left)
-            indices.append(index)
+            indices.append(self._call_count)
+            self._call_count += 1
+            # its facts, not the call: its action may hold a row of the step's host copy of the
+            # logits, which would keep every step's whole copy alive until the request ends
+            self._log.append((_CALL, event_index, _CallFacts(call.mod_name, call.event_type, call.step, call.started_at,
+                                                             call.elapsed_ms, call.exception, call.logs)))
         return indices
 
-    def _bounded(self, text: str | None, index: int, call: ModCall, call_left: int) -> tuple[str | None, int]:
+    def _call_record(self, event_index: int, call: "_CallFacts") -> None:
+        index = len(self._mod_calls)
+        record: dict[str, Any] = {
+            "event_sequence_order": event_index,
+            "mod_name": call.mod_name[:255],
+            "event_type": call.event_type,
+            "step": int(call.step),
+            "created_at": call.started_at,
+            "execution_time_ms": round(call.elapsed_ms, 4),
+            "exception_occurred": call.exception is not None,
+        }
+        call_left = self._budget.per_call
+        if call.exception is not None:
+            message, cost = self._bounded(f"{call.exception.type}: {call.exception.message}", index, call, call_left)
+            record["exception_message"] = message
+            call_left -= cost
+            traceback, cost = self._bounded(call.exception.traceback, index, call, call_left)
+            record["exception_traceback"] = traceback
+            call_left -= cost
+        self._mod_calls.append(record)
+        self._record_logs(index, call, call_left)
+
+    def _bounded(self, text: str | None, index: int, call: "_CallFacts", call_left: int) -> tuple[str | None, int]:
         """``text`` cut to what the budgets allow (a marker replaces all of it when nothing is left)."""
         if not text:
             return text, 0
@@ -281,7 +327,7 @@ class PayloadBuilder:
             return f"[raylens: {len(text):,} characters cut; see the mod_logs marker]", 0
         return kept, cost
 
-    def _record_logs(self, index: int, call: ModCall, call_left: int) -> None:
+    def _record_logs(self, index: int, call: "_CallFacts", call_left: int) -> None:
         budget = self._budget
         cut_chars, cut_entries = budget.cut_chars, budget.cut_entries
         cut_by_call = False
@@ -311,29 +357,57 @@ class PayloadBuilder:
                                        "created_at": datetime.now(timezone.utc).timestamp()})
 
     def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None) -> None:
+        """Record what became of the action of recorded call ``call_index``: its facts are read now
+        (a mod may change the object later), the record is made at build."""
         if call_index is None:
             return
+        at = time.time()  # what datetime.now(utc).timestamp() reads, at a tenth of the cost
         if type(action).__name__ == "Steer":  # the backend's action types are a closed set: a log line
             fid, scale = getattr(action, "feature_id", None), getattr(action, "scale", None)
             status = "applied" if applied else f"not applied: {note}"
             message = f"[raylens] Steer feature_id={fid} scale={scale} ({status})"[:2000]
-            self._mod_logs.append({"mod_call_sequence": call_index,
-                                   "mod_name": str(self._mod_calls[call_index]["mod_name"])[:255],
-                                   "log_message": message, "log_level": "INFO",
-                                   "created_at": datetime.now(timezone.utc).timestamp()})
+            self._log.append((_STEER, call_index, message, at))
             return
         details: dict[str, Any] = {"applied": applied}
         if note:
             details["note"] = note
-        record: dict[str, Any] = {
-            "mod_call_sequence": call_index,
-            "action_type": type(action).__name__,
-            "action_order": 0,
-            "created_at": time.time(),  # what datetime.now(utc).timestamp() reads, at a tenth of the cost
-            "details": details,
-        }
+        if isinstance(action, AdjustedLogits):  # one per step of a logits mod: the record is made at build
+            shape = getattr(action.logits, "shape", None)
+            dims = tuple(map(int, shape)) if shape is not None else None
+            temp = None if action.token_temp is None else finite(float(action.token_temp))
+            self._log.append((_ADJUSTED, call_index, details, at, dims, temp))
+            return
+        record = self._action_record(call_index, type(action).__name__, details, at)
         self._describe(record, details, action)
-        self._actions.append(record)
+        self._log.append((_ACTION, record))
+
+    @staticmethod
+    def _action_record(call_index: int, kind: str, details: dict[str, Any], at: float) -> dict[str, Any]:
+        return {"mod_call_sequence": call_index, "action_type": kind, "action_order": 0, "created_at": at,
+                "details": details}
+
+    def _replay(self) -> None:
+        """Make the JSON records of everything logged, in the order it happened."""
+        log, self._log = self._log, []
+        for entry in log:
+            what = entry[0]
+            if what is _EVENT:
+                self._event_record(*entry[1:])
+            elif what is _CALL:
+                self._call_record(*entry[1:])
+            elif what is _ADJUSTED:
+                _, call_index, details, at, dims, temp = entry
+                record = self._action_record(call_index, "AdjustedLogits", details, at)
+                record["logits_shape"] = str(list(dims)) if dims is not None else None  # "[1, 49152]"
+                record["temperature"] = temp
+                self._actions.append(record)
+            elif what is _ACTION:
+                self._actions.append(entry[1])
+            else:  # _STEER
+                _, call_index, message, at = entry
+                self._mod_logs.append({"mod_call_sequence": call_index,
+                                       "mod_name": str(self._mod_calls[call_index]["mod_name"])[:255],
+                                       "log_message": message, "log_level": "INFO", "created_at": at})
 
     def _tokens(self, record: dict[str, Any], details: dict[str, Any], tokens: Sequence[int]) -> None:
         ids = [int(t) for t in tokens]
@@ -355,10 +429,6 @@ class PayloadBuilder:
             record["backtrack_steps"] = _i32(action.n)
             if action.tokens is not None:
                 self._tokens(record, details, action.tokens)
-        elif isinstance(action, AdjustedLogits):
-            shape = getattr(action.logits, "shape", None)
-            record["logits_shape"] = str(list(map(int, shape))) if shape is not None else None  # "[1, 49152]"
-            record["temperature"] = None if action.token_temp is None else finite(float(action.token_temp))
         elif isinstance(action, ToolCalls):
             record["has_tool_calls"] = bool(action.tool_calls)
             record["tool_calls"] = _jsonable(action.tool_calls)
@@ -378,6 +448,7 @@ class PayloadBuilder:
         later, self._later = self._later, []
         for event, top, at in later:
             self.event(event, top, at=at)
+        self._replay()
         if self._top:
             values = torch.stack([v[b] for _, v, _, b in self._top])[:, :TOP_TOKENS].cpu()  # one device→host copy
             indices = torch.stack([i[b] for _, _, i, b in self._top])[:, :TOP_TOKENS].cpu()
