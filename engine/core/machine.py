@@ -12,7 +12,8 @@ interface the step loop calls.
         on_sample(sample) Sampled ─► actions ─► add ─► Added ─► actions ─► stop checks
 
 The loop only admits, schedules, batches, isolates faults and retires; it reads no request field,
-only :attr:`RequestMachine.finished`, :attr:`decoding`, :attr:`ready` and :attr:`pending_tokens`.
+only :attr:`RequestMachine.finished`, :attr:`decoding`, :attr:`ready`, :attr:`prefilled_due` and
+:attr:`pending_tokens`.
 
 A feed split over several forwards (a long prompt under the step's token budget) is invisible
 above this class: its chunks' internals are joined into the one output an unsplit forward gives
@@ -50,7 +51,7 @@ from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
 from engine.model.tensor import ReleasedLogits
 from engine.model.sampling import SampleResult, SampleRow
-from mods.manager import CallRunner, ModCall, ModManager, dispatch_batch
+from mods.manager import CallRunner, ModCall, ModManager
 from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
 __all__ = ["RequestMachine"]
@@ -83,7 +84,8 @@ class RequestMachine:
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
         self._host_row = -1  # this request's row in it
         self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
-        self._calls: CallRunner | None = None  # where its mods' calls run outside a phase (start)
+        self._calls: CallRunner | None = None  # the loop's runner (start): the loop drives its Prefilled
+        self.prefilled_due = False  # its prompt is in; the loop dispatches Prefilled with the step's others
 
     @property
     def steer_log(self) -> list[dict[str, Any]]:
@@ -91,7 +93,7 @@ class RequestMachine:
 
     def start(self, *, max_sequence: int, overlap: bool = False, calls: CallRunner | None = None) -> None:
         """Admitted into a batch: its context limit, whether its announcements may overlap, and
-        where its mods' calls run outside a phase (Prefilled: the loop's shared runner)."""
+        the loop's runner of mod calls (given: the loop drives its Prefilled, :meth:`prefilled`)."""
         self.max_sequence, self.overlap, self._calls = max_sequence, overlap, calls
         if self.state.status is RequestStatus.WAITING:
             self.state.status = RequestStatus.PREFILLING
@@ -111,7 +113,7 @@ class RequestMachine:
     def ready(self) -> bool:
         """This step's phases can run: decoding, not finished, and the newest feed's output is in."""
         state = self.state
-        return state.status is RequestStatus.DECODING and state.output is not None
+        return state.status is RequestStatus.DECODING and state.output is not None and not self.prefilled_due
 
     @property
     def pending_tokens(self) -> int:
@@ -218,8 +220,18 @@ class RequestMachine:
         self._report_forward(row)
         if state.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
             state.status = RequestStatus.DECODING
-            self.actions.apply_prefilled_actions(self._dispatch_now(self._prefilled_event()))
+            if self._mod_free or self._calls is None:
+                self.actions.apply_prefilled_actions(self._dispatch_now(self._prefilled_event()))
+            else:  # the loop dispatches it with every other request's whose prompt came in this step
+                self.prefilled_due = True
         return True
+
+    def prefilled(self) -> Phase[None]:
+        """Prefilled and its actions, once its prompt is in (:attr:`prefilled_due`); the loop runs
+        the phases of every request whose prompt came in with one hand-off a round (:func:`drive`),
+        not one per request, before the step's ForwardPass."""
+        self.prefilled_due = False
+        self.actions.apply_prefilled_actions((yield from self._dispatch(self._prefilled_event())))
 
     def _report_forward(self, row: ForwardRow) -> None:
         """Hand the newest forward's hidden states to the SAE sink (nearline: no waiting)."""
@@ -461,15 +473,12 @@ class RequestMachine:
         return self._items(index, calls)
 
     def _dispatch_now(self, event: ModEvent) -> list[Call]:
-        """:meth:`_dispatch` on this thread, alone (Prefilled: once per request)."""
+        """:meth:`_dispatch` on this thread, alone (a Prefilled no loop drives)."""
         if self._mod_free:
             self._announce(self._record, (event,))
             return []
         index = self._record(event)
-        manager = self.state.manager
-        if self._calls is None:
-            return self._items(index, manager.dispatch_traced(event))
-        return self._items(index, dispatch_batch([(manager, event)], self._calls, silent=False)[0])
+        return self._items(index, self.state.manager.dispatch_traced(event))
 
     def _items(self, index: int, calls: Sequence[ModCall]) -> list[Call]:
         """The calls to apply and record (a silent Noop has no record: nothing to do for it)."""

@@ -1,5 +1,5 @@
-"""A step's phases across its requests: each request's machine runs a phase (ForwardPass, Sampled,
-Added) as a generator that yields the events its mods must see and is sent their calls back;
+"""A step's phases across its requests: each request's machine runs a phase (Prefilled, ForwardPass,
+Sampled, Added) as a generator that yields the events its mods must see and is sent their calls back;
 :func:`drive` runs the phases of every request of the step together, so that each round's events
 go to the mods in one hand-off (:func:`mods.manager.dispatch_batch`: one thread switch per round,
 not one per call). A fault in one request's part of a step ends that request alone

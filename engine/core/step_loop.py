@@ -291,6 +291,9 @@ class StepLoop:
         if output:
             self._forward(output)
         self._flush_held()  # when no forward ran
+        due = [e.machine for e in self.scheduler.running if e.machine.prefilled_due]
+        if due:  # every prompt that came in this step: Prefilled with one hand-off, before any ForwardPass
+            drive([(m, m.prefilled()) for m in due], self.mod_calls)
         now = time.time()  # the step's events' time
         ready = [e for e in self.scheduler.running if e.machine.ready]
         fast = [e for e in ready if e.machine.fast]  # nobody watches them step by step
