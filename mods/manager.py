@@ -401,13 +401,13 @@ class ModManager:
             out.append(previous)
         return out
 
-    def records(self, pendings: Sequence[_Pending], *, silent: bool = True) -> list[ModCall]:
+    def records(self, pendings: Sequence[_Pending], *, keep_silent: bool = True) -> list[ModCall]:
         """What each call did (calls skipped after a fatal one are left out); counted in
-        :attr:`call_stats`. ``silent`` False: a call that returned a Noop and printed, logged and
+        :attr:`call_stats`. ``keep_silent`` False: a call that returned a Noop and printed, logged and
         raised nothing gets no record (it is only counted): a caller that applies and records what
         mods did has nothing to do for one, and most calls are such."""
         stats = self.call_stats
-        if not silent:
+        if not keep_silent:
             loud = []
             for p in pendings:
                 if p.skipped:
@@ -451,11 +451,11 @@ class ModManager:
 
 
 def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunner, *,
-                   silent: bool = True) -> list[list[ModCall]]:
+                   keep_silent: bool = True) -> list[list[ModCall]]:
     """Every mod of every ``(manager, event)`` job, in order, with one hand-off to ``runner``'s
     thread for all the calls that have a time limit (a step of many requests pays one thread
     switch per phase, not one per call); a manager without a limit calls its mods inline, in
-    turn. Returns each job's records, as :meth:`ModManager.dispatch_traced` would; ``silent``
+    turn. Returns each job's records, as :meth:`ModManager.dispatch_traced` would; ``keep_silent``
     False leaves out the calls that returned a Noop and printed, logged and raised nothing
     (:meth:`ModManager.records`)."""
     groups = [manager.pending_calls(event) for manager, event in jobs]
@@ -471,7 +471,7 @@ def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunn
             segment.extend(pendings)
     if segment:
         runner.run(segment)
-    return [manager.records(pendings, silent=silent) for (manager, _), pendings in zip(jobs, groups)]
+    return [manager.records(pendings, keep_silent=keep_silent) for (manager, _), pendings in zip(jobs, groups)]
 
 
 def _timeout_record(timeout: ModCallTimeout, stack: str) -> ModException:

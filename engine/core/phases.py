@@ -50,7 +50,7 @@ def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRun
     while waiting:
         now, waiting[:] = list(waiting), []
         # silent Noops (most calls) come back without a record: there is nothing to apply or record for one
-        calls = dispatch_batch([(phases[i][0].manager, event) for i, event in now], runner, silent=False)
+        calls = dispatch_batch([(phases[i][0].manager, event) for i, event in now], runner, keep_silent=False)
         for (i, _), made in zip(now, calls):
             advance(i, made)
     return results

@@ -125,7 +125,7 @@ def test_silent_noops_get_no_record_when_the_caller_asks_but_are_counted():
     runner = CallRunner()
     try:
         jobs = [(quiet, Sampled("a", 0, 1)), (loud, Sampled("b", 0, 1)), (inline, Sampled("c", 0, 1))]
-        kept = dispatch_batch(jobs, runner, silent=False)
+        kept = dispatch_batch(jobs, runner, keep_silent=False)
         assert kept[0] == []
         assert [c.mod_name for c in kept[1]] == ["printing", "acting", "raising"]
         assert [c.mod_name for c in kept[2]] == ["acting"]
