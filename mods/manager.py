@@ -115,9 +115,13 @@ class ModCallStats:
     seconds: float = 0.0
 
     def record(self, call: ModCall) -> None:
+        self.count(call.elapsed_ms, failed=call.exception is not None)
+
+    def count(self, elapsed_ms: float, *, failed: bool = False) -> None:
+        """One call of ``elapsed_ms`` (a call with no record: :meth:`ModManager.records`)."""
         self.calls += 1
-        self.errors += call.exception is not None
-        self.seconds += call.elapsed_ms / 1000.0
+        self.errors += failed
+        self.seconds += elapsed_ms / 1000.0
 
 
 def mod_name(mod: Callable[..., Any]) -> str:
@@ -406,21 +410,16 @@ class ModManager:
         :attr:`call_stats`. ``keep_silent`` False: a call that returned a Noop and printed, logged and
         raised nothing gets no record (it is only counted): a caller that applies and records what
         mods did has nothing to do for one, and most calls are such."""
-        stats = self.call_stats
-        if not keep_silent:
-            loud = []
-            for p in pendings:
-                if p.skipped:
-                    continue
-                if p.quiet:
-                    stats.calls += 1
-                    stats.seconds += p.elapsed_ms / 1000.0
-                else:
-                    loud.append(p)
-            pendings = loud
-        calls = [self._record(p) for p in pendings if not p.skipped]
-        for call in calls:
+        stats, calls = self.call_stats, []
+        for pending in pendings:
+            if pending.skipped:
+                continue
+            if not keep_silent and pending.quiet:
+                stats.count(pending.elapsed_ms)
+                continue
+            call = self._record(pending)
             stats.record(call)
+            calls.append(call)
         return calls
 
     def _record(self, pending: _Pending) -> ModCall:

@@ -106,12 +106,14 @@ class RequestMachine:
 
     @property
     def decoding(self) -> bool:
-        """The prompt is in and Prefilled was dispatched (each step it feeds its newest tokens)."""
+        """The prompt is in (each step it feeds its newest tokens; its Prefilled goes out before the
+        step's ForwardPass, :attr:`prefilled_due`)."""
         return self.state.status is RequestStatus.DECODING
 
     @property
     def ready(self) -> bool:
-        """This step's phases can run: decoding, not finished, and the newest feed's output is in."""
+        """This step's phases can run: decoding, not finished, the newest feed's output is in, and
+        its Prefilled was dispatched."""
         state = self.state
         return state.status is RequestStatus.DECODING and state.output is not None and not self.prefilled_due
 
