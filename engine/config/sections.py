@@ -456,7 +456,12 @@ def _coerce(section: str, cls: type, key: str, value: Any) -> Any:
         origin = typing.get_origin(option)
         if origin is tuple and isinstance(value, (list, tuple)):
             return tuple(int(v) for v in value)
-        if origin is Literal and value in typing.get_args(option):
+        if origin is Literal and isinstance(value, bool):
+            # YAML 1.1 reads a bare `off` / `on` as a bool: a mode named so means that word
+            word = "on" if value else "off"
+            if word in typing.get_args(option):
+                return word
+        elif origin is Literal and value in typing.get_args(option):
             return value
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
