@@ -49,10 +49,6 @@ class BackendConfig:
     # (float32/bfloat16; the packed copy costs the linear weights' size once more in memory), "off"
     # keeps torch's default GEMM
     weight_prepack: Literal["auto", "off"] = "auto"
-    # the step's large host buffers (a batch's logits, their log-softmax, the mods' copy) kept in
-    # the heap from step to step (engine/model/host_memory.py): "auto" sets glibc malloc's mmap and
-    # trim thresholds for the process when the backend loads; "off" leaves malloc as it is
-    host_memory: Literal["auto", "off"] = "auto"
     # graph_decode: compile keeps inductor's compiled kernels here, so they are built once per
     # machine (engine/model/compile_cache.py); None: <user cache dir>/raylens/inductor
     compile_cache_dir: str | None = None
@@ -98,7 +94,6 @@ class BackendConfig:
             ("graph_decode", self.graph_decode in ("auto", "static", "compile", "off"),
              "one of auto, static, compile, off"),
             ("weight_prepack", self.weight_prepack in ("auto", "off"), "one of auto, off"),
-            ("host_memory", self.host_memory in ("auto", "off"), "one of auto, off"),
             ("paged_attention", self.paged_attention in ("auto", "torch", "flash_attn", "reference", "off"),
              "one of auto, torch, flash_attn, reference, off"),
             ("max_step_tokens", isinstance(self.max_step_tokens, int) and not isinstance(self.max_step_tokens, bool)

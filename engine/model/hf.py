@@ -43,7 +43,6 @@ from engine.model.capture import (
 from engine.model.compile_cache import use_compile_cache
 from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
-from engine.model.host_memory import retain_freed_memory
 from engine.model.hook_names import resid_post
 from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
@@ -69,9 +68,6 @@ class HuggingFaceBackend:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        # the step's logits-sized host buffers reused from the heap, not mapped afresh each step
-        # (engine/model/host_memory.py); process-wide, set once
-        self.host_memory_retained = retain_freed_memory() if config.host_memory == "auto" else False
         self.model, self._tokenizer = load_model_and_tokenizer(
             model_id, cache_dir=config.model_cache_dir, device=self.device, dtype=self.dtype,
             attn_implementation=ensure_attention_registered(), hf_token=config.hf_token,

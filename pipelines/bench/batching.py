@@ -219,7 +219,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
             "new_tokens": new_tokens, "repeats": repeats, "rows": rows, "graph_stats": graph_stats,
             "attention": getattr(backend, "paged_reason", None), "prepacked_linears": getattr(backend, "prepacked", None),
-            "host_memory_retained": getattr(backend, "host_memory_retained", None), "machine": _machine()}
+            "machine": _machine()}
 
 
 def _measure(paths: dict[str, Callable[[], int]], runs: dict[str, list[float]], repeats: int, device: Any,

@@ -38,7 +38,6 @@ def _machine(backend: Any) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "device": backend.info.device,
         "dtype": backend.info.dtype,
-        "host_memory_retained": getattr(backend, "host_memory_retained", None),
     }
     if backend.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(backend.device)

@@ -66,7 +66,6 @@ def test_host_overhead_bench_builds_the_near_free_model_on_the_cpu_and_runs_besi
     assert report["model"].endswith("raylens-near-free-random") and report["device"] == "cpu"
     paths = {row["path"] for row in report["rows"]}
     assert {"hf generate, padded batch of 2", "raylens, 2 concurrent (default capture)"} <= paths
-    assert report["host_memory_retained"] is True, "the rows did not run with the step's host buffers retained"
     assert "engine's own µs per request-step" in capsys.readouterr().out
 
 
