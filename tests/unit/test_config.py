@@ -49,13 +49,11 @@ def test_a_bare_off_in_yaml_is_the_mode_named_off(tmp_path):
     """YAML 1.1 reads a bare ``off`` as false: for a setting whose modes include ``off`` it means
     that mode, not a type error; a bare ``on`` where no mode is so named is still refused."""
     path = tmp_path / "c.yaml"
-    path.write_text("backend:\n  graph_decode: off\n  weight_prepack: off\n  host_memory: off\n"
-                    "  paged_attention: off\n")
+    path.write_text("backend:\n  graph_decode: off\n  weight_prepack: off\n  paged_attention: off\n")
     backend = load_config(path, env={}).backend
-    assert (backend.graph_decode, backend.weight_prepack, backend.host_memory, backend.paged_attention) == \
-        ("off", "off", "off", "off")
-    path.write_text("backend:\n  host_memory: on\n")
-    with pytest.raises(ConfigError, match="`backend.host_memory` must be one of .*auto.*off.*got True"):
+    assert (backend.graph_decode, backend.weight_prepack, backend.paged_attention) == ("off", "off", "off")
+    path.write_text("backend:\n  weight_prepack: on\n")
+    with pytest.raises(ConfigError, match="`backend.weight_prepack` must be one of .*auto.*off.*got True"):
         load_config(path, env={})
 
 
