@@ -203,7 +203,9 @@ def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
     """``(len(which),)`` each row's argmax. A row that knows it (a mod's adjusted logits, checked
     in one pass that found it) takes it; rows of one CPU batch whose forward already sorted its
     top logits take the first of them (no pass over the vocabulary); a row whose two best are
-    equal takes ``argmax``'s choice (the first such id), as :func:`torch.topk` orders ties freely."""
+    equal takes ``argmax``'s choice (the first such id), as :func:`torch.topk` orders ties freely.
+    Only the rows left (logits of their own, such as a prompt fed in chunks and joined) are read
+    whole: one such row among many costs one row's pass, not every row's."""
     known = [i for i in which if rows[i].argmax is not None]
     if known:
         given = [rows[i].argmax for i in known]
@@ -211,26 +213,39 @@ def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
         out = (torch.tensor(given, device=device) if all(isinstance(a, int) for a in given)
                else torch.stack([torch.as_tensor(a, device=device) for a in given]))  # ints and 0-d tensors mixed
         rest = [i for i in which if rows[i].argmax is None]
-        if not rest:
-            return out
-        ids = _argmax(rows, rest)
-        chosen = torch.empty(len(which), dtype=torch.long, device=out.device)
-        position = {i: j for j, i in enumerate(which)}
-        chosen[[position[i] for i in known]] = out
-        chosen[[position[i] for i in rest]] = ids.to(out.device)
-        return chosen
-    first = rows[which[0]]
-    batch = first.source[0] if first.source is not None else None
-    if (first.top is None or batch is None or batch.device.type != "cpu"
-            or any(rows[i].top is None or rows[i].source is None or rows[i].source[0] is not batch for i in which)):
+        return _merged(which, [(known, out), (rest, _argmax(rows, rest))]) if rest else out
+    batch = next((rows[i].source[0] for i in which  # type: ignore[index]
+                  if rows[i].top is not None and rows[i].source is not None), None)
+    ranked = [] if batch is None or batch.device.type != "cpu" else \
+        [i for i in which if rows[i].top is not None and rows[i].source is not None and rows[i].source[0] is batch]
+    if not ranked:
         return row_max(_gather(rows, which))[1]
-    values, ids = first.top
+    if len(ranked) < len(which):
+        rest = [i for i in which if rows[i].top is None or rows[i].source is None or rows[i].source[0] is not batch]
+        return _merged(which, [(ranked, _argmax_of_sorted(rows, ranked)), (rest, row_max(_gather(rows, rest))[1])])
+    return _argmax_of_sorted(rows, which)
+
+
+def _argmax_of_sorted(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
+    """The argmax of rows of one CPU batch whose forward sorted its top logits: each row's first
+    top id, unless its two best are equal (then a pass over that row's logits)."""
+    values, ids = rows[which[0]].top  # type: ignore[misc]
     index = torch.tensor([rows[i].source[1] for i in which])  # type: ignore[index]
     best, second = values.index_select(0, index)[:, 0], values.index_select(0, index)[:, 1]
     chosen = ids.index_select(0, index)[:, 0].clone()
     ties = (best == second).nonzero()[:, 0].tolist()  # on the CPU: no device sync to pay
     if ties:
         chosen[ties] = row_max(_gather(rows, [which[t] for t in ties]))[1]
+    return chosen
+
+
+def _merged(which: Sequence[int], parts: Sequence[tuple[Sequence[int], torch.Tensor]]) -> torch.Tensor:
+    """The ids of ``parts`` (row positions, their ids), each a subset of ``which``, in ``which``'s order."""
+    device = parts[0][1].device
+    chosen = torch.empty(len(which), dtype=torch.long, device=device)
+    position = {i: j for j, i in enumerate(which)}
+    for members, ids in parts:
+        chosen[[position[i] for i in members]] = ids.to(device)
     return chosen
 
 

@@ -113,6 +113,32 @@ def test_known_argmaxes_as_ints_and_as_tensors_mix_in_one_batch():
     assert [r.token for r in sample_rows(rows)] == [3, 5, 7]
 
 
+def test_a_row_of_its_own_in_a_greedy_batch_is_read_alone_the_others_take_their_sorted_top(monkeypatch):
+    """A prompt fed in chunks joins the step with logits of its own (no batch, no sorted top): its
+    row is read whole, and only it; the batch's rows still take the first id of the top their
+    forward sorted (a batch row with a tie at the top is read too). Every row gets its argmax."""
+    import engine.model.sampling as sampling
+    from engine.model.backend import top_logprobs
+    from engine.model.sampling import SampleRow, sample_rows
+
+    greedy = SamplingParams(temperature=0.0)
+    gen = make_generator(0, torch.device("cpu"))
+    batch = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    batch[4, 7] = batch[4, 9] = batch[4].max() + 1.0  # a tie at the top: the first of them is the argmax
+    top = top_logprobs(batch)
+    own = torch.randn(1, 300, generator=torch.Generator().manual_seed(2))
+    rows = [SampleRow(None, greedy, gen, source=(batch, b), top=top) for b in range(6)]
+    rows.insert(2, SampleRow(own, greedy, gen))
+    passes: list[int] = []
+    real_row_max = sampling.row_max
+    monkeypatch.setattr(sampling, "row_max", lambda x: passes.append(x.shape[0]) or real_row_max(x))
+    tokens = [r.token for r in sample_rows(rows)]
+    expected = [int(batch[b].argmax()) for b in range(6)]
+    expected.insert(2, int(own.argmax()))
+    assert tokens == expected and tokens[5] == 7
+    assert sorted(passes) == [1, 1], f"rows read whole per pass: {passes} (the lone row and the tied row only)"
+
+
 def test_a_rows_shape_is_known_before_its_view_is_made_and_equals_the_views():
     batch = torch.arange(3 * 5 * 2, dtype=torch.float32).reshape(3, 5, 2)
     for index in range(3):
