@@ -221,7 +221,8 @@ def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
     if not ranked:
         return row_max(_gather(rows, which))[1]
     if len(ranked) < len(which):
-        rest = [i for i in which if rows[i].top is None or rows[i].source is None or rows[i].source[0] is not batch]
+        taken = set(ranked)
+        rest = [i for i in which if i not in taken]
         return _merged(which, [(ranked, _argmax_of_sorted(rows, ranked)), (rest, row_max(_gather(rows, rest))[1])])
     return _argmax_of_sorted(rows, which)
 
