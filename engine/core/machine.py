@@ -253,9 +253,9 @@ class RequestMachine:
         state.force_accepted = False
         state.step_committed = []
         if self._read_logits and self._host is not None:
-            # its mods read the logits last step: copy the step's rows for mods now, on the loop's
-            # thread (every row is in by now), rather than at the first read on the mods' thread
-            self._host.copy_now()
+            # its mods read the logits last step: start the copy of the step's rows for mods now
+            # (every row is in by now), to run while the step's events are built
+            self._host.copy_ahead()
         plan = self.actions.apply_forward_pass_actions((yield from self._dispatch(self._forward_event())))
         if state.finish is not None:
             return None

@@ -11,17 +11,19 @@ GPU the copy happens only when a mod asks for it.
 
 A step's logits reach mods through :class:`HostLogits`: when the first mod of a step reads its
 logits, the rows of every request with mods are copied to the host at once (one copy, not one per
-request; or before any mod runs, on the step loop's thread, when a mod read its logits the step
-before: :meth:`HostLogits.copy_now`), and each row's first ``to_numpy()`` is a writable view of
-that copy — its own, as no other reader ever sees it (a second read of the same row gets a fresh
-copy). ``from_numpy`` of such a view (the usual edit-and-return of a logits mod) wraps it without
-copying again.
+request; or ahead, on a thread of its own while the step loop builds the step's events, when a mod
+read its logits the step before: :meth:`HostLogits.copy_ahead`), and each row's first
+``to_numpy()`` is a writable view of that copy — its own, as no other reader ever sees it (a
+second read of the same row gets a fresh copy). ``from_numpy`` of such a view (the usual
+edit-and-return of a logits mod) wraps it without copying again.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -38,7 +40,7 @@ _LENT: "weakref.WeakValueDictionary[int, HostLogits]" = weakref.WeakValueDiction
 
 class HostLogits:
     """One step's logits ``(B, V)`` as the mods of the requests in ``rows`` read them: one float32
-    host copy of those rows, made at the first read (or ahead, :meth:`copy_now`); each row's first
+    host copy of those rows, made at the first read (or ahead, :meth:`copy_ahead`); each row's first
     :meth:`lend` is a ``(1, V)`` view of it, later ones None (the reader copies)."""
 
     def __init__(self, batch: torch.Tensor, rows: list[int] | None = None) -> None:
@@ -49,6 +51,7 @@ class HostLogits:
         self._views: dict[int, tuple[np.ndarray, int]] = {}  # id(view) -> (the view lent, its slot)
         self._lock = threading.Lock()  # mods of different requests may run on different threads
         self._maxima: tuple[list[float], list[int]] | None = None
+        self._ahead: tuple[np.ndarray, Future[None]] | None = None  # a copy started by copy_ahead
 
     def add(self, row: int) -> None:
         """Row ``row``'s mods may read it (before anything is lent)."""
@@ -58,19 +61,22 @@ class HostLogits:
         """Whether row ``row`` was read (its first ``to_numpy()``)."""
         return row in self._lent
 
-    def copy_now(self) -> None:
-        """Make the host copy of a CPU float32 batch now, on the calling thread, before any mod
+    def copy_ahead(self) -> None:
+        """Start the host copy of a CPU float32 batch now, on a thread of its own, before any mod
         asks: called from the step loop's thread once every row is added, when a mod read its
-        logits the step before, so that the copy is a parallel torch op on the thread that owns the
-        OpenMP workers (64 rows × 49,152: 0.8 ms against 1.3 for the mods' thread's single-threaded
-        numpy copy). Nothing is lent; the copy is the one :meth:`lend` would make. Another batch
-        (a GPU's) is still copied at the first read."""
+        logits the step before. The copy (numpy's, which releases the GIL: 64 rows × 49,152 take
+        about a millisecond) then runs while the step loop builds the step's events, instead of
+        after them; the first :meth:`lend` waits for what is left of it (at 64 concurrent requests
+        that wait went from 1.2-1.4 ms a step to ~0.03). Nothing is lent; the copy is the one
+        :meth:`lend` would make. Another batch (a GPU's) is still copied at the first read."""
         batch = self.batch
         if batch.device.type != "cpu" or batch.dtype != torch.float32:  # read at the first lend, as before
             return
         with self._lock:
-            if self._host is None and self.slot:
-                self._copy(parallel=True)
+            if self._host is None and self._ahead is None and self.slot:
+                order = list(self.slot)
+                host = np.empty((len(order), batch.shape[1]), dtype=np.float32)
+                self._ahead = (host, _copier().start(batch.detach().numpy(), order, host))
 
     def lend(self, row: int) -> np.ndarray | None:
         j = self.slot.get(row)
@@ -80,15 +86,21 @@ class HostLogits:
             if row in self._lent:
                 return None
             self._lent.add(row)
-            host = self._host if self._host is not None else self._copy(parallel=False)
+            host = self._host if self._host is not None else self._copy()
             view = host[j:j + 1]
             self._views[id(view)] = (view, j)
             return view
 
-    def _copy(self, *, parallel: bool) -> np.ndarray:
-        """Make the step's one host copy ``(M, V)`` (the caller holds the lock) and register it, so
-        that ``from_numpy`` knows the views it lends."""
-        host = self._host = _host_copy(self.batch, list(self.slot), parallel=parallel)
+    def _copy(self) -> np.ndarray:
+        """The step's one host copy ``(M, V)``: the one :meth:`copy_ahead` started (waited for),
+        or one made now (the caller holds the lock); registered, so that ``from_numpy`` knows the
+        views it lends."""
+        if self._ahead is not None:
+            host, copying = self._ahead
+            copying.result()  # its error, if any, is the reader's
+        else:
+            host = _host_copy(self.batch, list(self.slot))
+        self._host = host
         _LENT[id(host)] = self
         return host
 
@@ -118,23 +130,76 @@ class HostLogits:
         return values[slot], indices[slot]
 
 
-def _host_copy(batch: torch.Tensor, order: list[int], parallel: bool = False) -> np.ndarray:
-    """Rows ``order`` of ``batch`` as a float32 host copy. On the mods' thread (``parallel`` False)
-    a float32 CPU batch is copied by numpy, since a parallel torch op there would give that thread
-    an OpenMP team of its own, and with two teams on the machine's cores libgomp stops spinning
-    between regions, so every parallel op of the step loop's forward pays a futex wake-up (measured:
-    reading the logits cost a mod 19 % of the throughput at 64 concurrent requests, not the copy's
-    2 %). ``parallel``: the caller is the step loop's thread, whose team torch's copy may use."""
-    every = order == list(range(batch.shape[0]))  # every row, in order: one plain copy
+def _host_copy(batch: torch.Tensor, order: list[int]) -> np.ndarray:
+    """Rows ``order`` of ``batch`` as a float32 host copy. A float32 CPU batch is copied by numpy,
+    never by a parallel torch op: this runs on the mods' thread or the copier's, and a parallel op
+    there would give that thread an OpenMP team of its own; with two teams on the machine's cores
+    libgomp stops spinning between regions, so every parallel op of the step loop's forward pays a
+    futex wake-up (measured: reading the logits cost a mod 19 % of the throughput at 64 concurrent
+    requests, not the copy's 2 %)."""
     if batch.device.type == "cpu" and batch.dtype == torch.float32:
-        if parallel:
-            rows = batch.detach()
-            return (rows.clone() if every else rows.index_select(0, torch.tensor(order))).numpy()
-        rows = batch.detach().numpy()
-        return rows.copy() if every else rows[order]  # fancy indexing copies
-    if not every:
+        host = np.empty((len(order), batch.shape[1]), dtype=np.float32)
+        _copy_rows(batch.detach().numpy(), order, host)
+        return host
+    if order != list(range(batch.shape[0])):
         batch = batch.index_select(0, torch.tensor(order, device=batch.device))
     return batch.to(dtype=torch.float32, device="cpu", copy=True).numpy()
+
+
+def _copy_rows(source: np.ndarray, order: list[int], host: np.ndarray) -> None:
+    """``host[j] = source[order[j]]``, with numpy's copies (they release the GIL)."""
+    if order == list(range(source.shape[0])):  # every row, in order: one plain copy
+        np.copyto(host, source)
+    else:
+        for j, row in enumerate(order):
+            np.copyto(host[j], source[row])
+
+
+class _Copier:
+    """The thread :meth:`HostLogits.copy_ahead` copies on. The caller holds the GIL while it
+    builds the step's events, and a thread that only waits for the GIL gets it when the holder
+    blocks or after the switch interval (5 ms): a copy merely queued would start only when the
+    step loop hands the events to the mods, and the first read would wait for all of it. So
+    :meth:`start` waits until the copy is under way (a thread wake-up, tens of microseconds) —
+    numpy then runs it without the GIL, alongside the caller."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # one start at a time (engines in one process share the copier)
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._started = threading.Lock()
+        self._started.acquire()
+        self._job: tuple[np.ndarray, list[int], np.ndarray, Future[None]] | None = None
+        self._thread = threading.Thread(target=self._loop, name="raylens-logits-copy", daemon=True)
+        self._thread.start()
+
+    def start(self, source: np.ndarray, order: list[int], host: np.ndarray) -> "Future[None]":
+        """Copy rows ``order`` of ``source`` into ``host``; returns once the copy has begun."""
+        future: Future[None] = Future()
+        with self._lock:
+            self._job = (source, order, host, future)
+            self._go.release()
+            self._started.acquire()
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            self._go.acquire()
+            job, self._job = self._job, None
+            self._started.release()
+            assert job is not None  # internal invariant: start() sets it before releasing _go
+            source, order, host, future = job
+            try:
+                _copy_rows(source, order, host)
+            except BaseException as err:  # the reader gets it; the copier goes on
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+
+
+@functools.lru_cache(maxsize=1)
+def _copier() -> _Copier:
+    return _Copier()
 
 
 class ReleasedLogits:

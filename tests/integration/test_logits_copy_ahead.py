@@ -1,7 +1,7 @@
-"""A step's logits are copied for its mods on the step loop's thread, ahead of the mods, when a
-mod of a request read its logits the step before (a parallel copy on the thread that owns the
-OpenMP workers); otherwise at the first read, as always. Which of the two made the copy changes
-nothing a mod or a result can see."""
+"""A step's logits are copied for its mods ahead of the mods (started from the step loop's thread,
+made on a thread of its own while the step's events are built) when a mod of a request read its
+logits the step before; otherwise at the first read, as always. Which of the two made the copy
+changes nothing a mod or a result can see."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def _run(mod, **generation):
 
 
 def _copy_made_before_the_mod(event) -> bool:
+    """Whether the step's copy was started before its first mod ran."""
     host = event.logits._host
-    return host is not None and host._host is not None
+    return host is not None and (host._host is not None or host._ahead is not None)
 
 
 @pytest.mark.parametrize("reads_at", [None, {0}, {0, 1, 3}], ids=["every step", "step 0", "steps 0, 1, 3"])
@@ -62,7 +63,7 @@ def test_a_logits_mod_gets_the_same_results_with_the_copy_made_ahead_or_at_its_r
         return None
 
     ahead = _run(ban_best, keep_logits=True)
-    monkeypatch.setattr(HostLogits, "copy_now", lambda self: None)
+    monkeypatch.setattr(HostLogits, "copy_ahead", lambda self: None)
     at_read = _run(ban_best, keep_logits=True)
     assert ahead[0].output_text != "hello world"  # the bans took effect
     for a, b in zip(ahead, at_read):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -178,25 +180,75 @@ def test_from_numpy_knows_a_lent_row_by_the_view_lent_and_by_any_other_view_of_t
 
 
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]], ids=["every row", "some rows"])
-def test_a_copy_made_ahead_is_the_copy_a_first_read_would_make(rows):
-    """copy_now (the step loop's thread, before any mod asks) makes the copy lend() would make at
-    the first read: float32, the engine's values, never aliasing them, each row's first read a
-    writable view of it that from_numpy knows; nothing is lent by making it."""
+def test_a_copy_made_ahead_is_the_copy_a_first_read_would_make(rows, monkeypatch):
+    """copy_ahead (started from the step loop's thread before any mod asks, made on a thread of
+    its own) makes the copy lend() would make at the first read: float32, the engine's values,
+    never aliasing them, each row's first read a writable view of it that from_numpy knows;
+    nothing is lent by starting it, and a second start makes no second copy."""
+    import engine.model.tensor as tensor
     from engine.model.tensor import HostLogits
 
+    copied_on: list[str] = []
+    real_copy = tensor._copy_rows
+
+    def spy(source, order, host):
+        copied_on.append(threading.current_thread().name)
+        real_copy(source, order, host)
+
+    monkeypatch.setattr(tensor, "_copy_rows", spy)
     batch = torch.arange(4 * 6, dtype=torch.float32).view(4, 6) / 7
     ahead, lazy = HostLogits(batch, rows=rows), HostLogits(batch, rows=rows)
-    ahead.copy_now()
-    made = ahead._host
-    assert made is not None and not any(ahead.was_lent(row) for row in rows)
-    ahead.copy_now()
-    assert ahead._host is made, "a second copy_now made another copy"
+    ahead.copy_ahead()
+    assert ahead._ahead is not None and not any(ahead.was_lent(row) for row in rows)
+    made, copying = ahead._ahead
+    copying.result(timeout=10)
+    assert copied_on == ["raylens-logits-copy"], f"the copy ran on {copied_on}, not the copier's thread"
+    ahead.copy_ahead()
+    assert ahead._ahead[1] is copying, "a second copy_ahead started another copy"
     for row in rows:
         mine, theirs = ahead.lend(row), lazy.lend(row)
         assert ahead.was_lent(row) and np.array_equal(mine, theirs) and mine.dtype == np.float32
         assert mine.flags.writeable and not np.shares_memory(mine, batch.numpy())
+        assert np.shares_memory(mine, made), "the first read is a view of the copy made ahead"
         assert TensorShim.from_numpy(mine).lent == (ahead, ahead.slot[row])
     assert ahead.lend(rows[0]) is None, "a row's second read must be the reader's own copy"
+
+
+def test_a_read_waits_for_the_copy_made_ahead_and_gets_its_error(monkeypatch):
+    """The first read of a step whose copy is still being made waits for it; a copy that failed
+    fails the read (the mod that asked records it) rather than lending a half-made row."""
+    import engine.model.tensor as tensor
+    from engine.model.tensor import HostLogits
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_copy(source, order, host):
+        started.set()
+        assert release.wait(10)
+        np.copyto(host, source[order])
+
+    monkeypatch.setattr(tensor, "_copy_rows", slow_copy)
+    batch = torch.arange(2 * 6, dtype=torch.float32).view(2, 6)
+    host = HostLogits(batch, rows=[0, 1])
+    host.copy_ahead()
+    assert started.wait(10)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(host.lend(1)))
+    reader.start()
+    reader.join(0.2)
+    assert reader.is_alive(), "the read did not wait for the copy"
+    release.set()
+    reader.join(10)
+    assert np.array_equal(got[0], batch[1:2].numpy())
+
+    def broken_copy(source, order, host):
+        raise MemoryError("no room for the copy")
+
+    monkeypatch.setattr(tensor, "_copy_rows", broken_copy)
+    failing = HostLogits(batch, rows=[0, 1])
+    failing.copy_ahead()
+    with pytest.raises(MemoryError, match="no room"):
+        failing.lend(0)
 
 
 def test_a_batch_that_is_not_cpu_float32_is_still_copied_at_the_first_read():
@@ -204,6 +256,6 @@ def test_a_batch_that_is_not_cpu_float32_is_still_copied_at_the_first_read():
 
     batch = (torch.arange(2 * 6, dtype=torch.float32).view(2, 6) / 7).to(torch.bfloat16)
     host = HostLogits(batch, rows=[0, 1])
-    host.copy_now()
-    assert host._host is None
+    host.copy_ahead()
+    assert host._host is None and host._ahead is None
     assert np.array_equal(host.lend(1), batch[1:2].float().numpy())
