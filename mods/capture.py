@@ -43,6 +43,8 @@ class CaptureBuffer:
     own thread, and a mod stuck printing in a loop must not grow a buffer nobody reads any more.
     """
 
+    __slots__ = ("_parts", "_stdout", "_stdout_started", "_sealed")  # one is made per mod call
+
     def __init__(self) -> None:
         self._parts: list[CapturedLog] = []
         self._stdout: list[str] = []
@@ -154,7 +156,8 @@ _log_router = _LogRouter(level=logging.NOTSET)
 
 
 def _ensure_installed() -> None:
-    if isinstance(sys.stdout, _StdoutRouter) and _log_router in logging.getLogger().handlers:
+    # checked before every mod call, so the quick test reads the root logger's handlers directly
+    if isinstance(sys.stdout, _StdoutRouter) and _log_router in logging.root.handlers:
         return
     with _install_lock:
         if not isinstance(sys.stdout, _StdoutRouter):

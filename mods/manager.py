@@ -146,7 +146,7 @@ class _Pending:
     """One mod call: its inputs, and what it produced once it returned. ``after``: the call before
     it on the same event (a fatal one means this one is not made)."""
 
-    __slots__ = ("mod", "event", "tokenizer", "buffer", "outcome", "after", "skipped", "timeout", "name",
+    __slots__ = ("mod", "event", "tokenizer", "buffer", "outcome", "after", "skipped", "timeout",
                  "started_at", "elapsed_ms", "stack")
 
     def __init__(self, mod: Callable[..., Any], event: ModEvent, tokenizer: Any, after: "_Pending | None" = None,
@@ -155,8 +155,12 @@ class _Pending:
         self.buffer: CaptureBuffer | None = None
         self.outcome: tuple[ModAction, ModException | None, ModAction | None, bool] | None = None
         self.after, self.timeout, self.skipped = after, timeout, False
-        self.name = mod_name(mod)
         self.started_at, self.elapsed_ms, self.stack = 0.0, 0.0, ""
+
+    @property
+    def name(self) -> str:
+        """The mod's name (read only for a call that is recorded or abandoned: most are neither)."""
+        return mod_name(self.mod)
 
     @property
     def quiet(self) -> bool:
@@ -414,9 +418,13 @@ class ModManager:
         for pending in pendings:
             if pending.skipped:
                 continue
-            if not keep_silent and pending.quiet:
-                stats.count(pending.elapsed_ms)
-                continue
+            if not keep_silent:
+                outcome = pending.outcome  # pending.quiet, inline: this runs for every call of every step
+                if outcome is not None and outcome[1] is None and isinstance(outcome[0], Noop) \
+                        and pending.buffer.empty:  # type: ignore[union-attr]
+                    stats.calls += 1
+                    stats.seconds += pending.elapsed_ms / 1000.0
+                    continue
             call = self._record(pending)
             stats.record(call)
             calls.append(call)
