@@ -325,11 +325,13 @@ class TensorShim:
 
     @property
     def device(self) -> torch.device:
-        return self._tensor.device
+        # a row not viewed yet answers from its batch: the usual logits mod asks for
+        # ``.to(event.logits.device)`` every step, and making the view costs more than the rest
+        return self._source[0].device if self._view is None else self._view.device  # type: ignore[index]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._tensor.dtype
+        return self._source[0].dtype if self._view is None else self._view.dtype  # type: ignore[index]
 
     def copy_(self, array: np.ndarray) -> "TensorShim":
         self._check_writable()

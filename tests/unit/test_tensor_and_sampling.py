@@ -259,3 +259,14 @@ def test_a_batch_that_is_not_cpu_float32_is_still_copied_at_the_first_read():
     host.copy_ahead()
     assert host._host is None and host._ahead is None
     assert np.array_equal(host.lend(1), batch[1:2].float().numpy())
+
+
+def test_a_logits_rows_device_and_dtype_are_read_without_making_its_view():
+    """The usual logits mod asks for ``.to(event.logits.device)`` every step: a row answers from
+    its batch, and its view is made only when its values are read."""
+    batch = torch.arange(3 * 5, dtype=torch.float32).view(3, 5)
+    row = TensorShim.row(batch, 1)
+    assert row.device == batch.device and row.dtype == torch.float32
+    assert row._view is None, "reading the device made the row's view"
+    assert row.to(batch.device) is row
+    assert np.array_equal(row.to_numpy(), batch[1:2].numpy()) and row.dtype == torch.float32
