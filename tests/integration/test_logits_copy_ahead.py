@@ -31,8 +31,19 @@ def _copy_made_before_the_mod(event) -> bool:
     return host is not None and (host._host is not None or host._ahead is not None)
 
 
+@pytest.fixture(params=["on the copier", "on the loop's thread"])
+def copy_where(request, monkeypatch):
+    """The test's small batches are copied on the loop's thread; AHEAD_MIN_BYTES 0 sends them to
+    the copier, as a real vocabulary's rows are."""
+    import engine.model.tensor as tensor
+
+    if request.param == "on the copier":
+        monkeypatch.setattr(tensor, "AHEAD_MIN_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("reads_at", [None, {0}, {0, 1, 3}], ids=["every step", "step 0", "steps 0, 1, 3"])
-def test_the_copy_is_made_ahead_exactly_on_steps_after_a_read(reads_at):
+def test_the_copy_is_made_ahead_exactly_on_steps_after_a_read(reads_at, copy_where):
     seen: dict[int, bool] = {}  # step -> whether the copy was there when the step's first mod ran
 
     def reader(event, tokenizer=None):
@@ -51,7 +62,7 @@ def test_the_copy_is_made_ahead_exactly_on_steps_after_a_read(reads_at):
         assert seen[step] == read_before, (step, seen)
 
 
-def test_a_logits_mod_gets_the_same_results_with_the_copy_made_ahead_or_at_its_read(monkeypatch):
+def test_a_logits_mod_gets_the_same_results_with_the_copy_made_ahead_or_at_its_read(monkeypatch, copy_where):
     """A mod that bans each step's best token and hands the row back: the same outputs, events
     and adjusted logits whichever thread copied the step's logits."""
     def ban_best(event, tokenizer=None):

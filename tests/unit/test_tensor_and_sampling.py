@@ -179,12 +179,14 @@ def test_from_numpy_knows_a_lent_row_by_the_view_lent_and_by_any_other_view_of_t
     assert TensorShim.from_numpy(other).lent == (host, 0)
 
 
+@pytest.mark.parametrize("on_copier", [True, False], ids=["on the copier", "on the loop's thread (small)"])
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]], ids=["every row", "some rows"])
-def test_a_copy_made_ahead_is_the_copy_a_first_read_would_make(rows, monkeypatch):
-    """copy_ahead (started from the step loop's thread before any mod asks, made on a thread of
-    its own) makes the copy lend() would make at the first read: float32, the engine's values,
-    never aliasing them, each row's first read a writable view of it that from_numpy knows;
-    nothing is lent by starting it, and a second start makes no second copy."""
+def test_a_copy_made_ahead_is_the_copy_a_first_read_would_make(rows, on_copier, monkeypatch):
+    """copy_ahead (called from the step loop's thread before any mod asks; made on a thread of its
+    own, or at once when it is smaller than AHEAD_MIN_BYTES) makes the copy lend() would make at
+    the first read: float32, the engine's values, never aliasing them, each row's first read a
+    writable view of it that from_numpy knows; nothing is lent by making it, and a second call
+    makes no second copy."""
     import engine.model.tensor as tensor
     from engine.model.tensor import HostLogits
 
@@ -196,15 +198,23 @@ def test_a_copy_made_ahead_is_the_copy_a_first_read_would_make(rows, monkeypatch
         real_copy(source, order, host)
 
     monkeypatch.setattr(tensor, "_copy_rows", spy)
+    monkeypatch.setattr(tensor, "AHEAD_MIN_BYTES", 0 if on_copier else 1 << 20)
     batch = torch.arange(4 * 6, dtype=torch.float32).view(4, 6) / 7
     ahead, lazy = HostLogits(batch, rows=rows), HostLogits(batch, rows=rows)
     ahead.copy_ahead()
-    assert ahead._ahead is not None and not any(ahead.was_lent(row) for row in rows)
-    made, copying = ahead._ahead
-    copying.result(timeout=10)
-    assert copied_on == ["raylens-logits-copy"], f"the copy ran on {copied_on}, not the copier's thread"
-    ahead.copy_ahead()
-    assert ahead._ahead[1] is copying, "a second copy_ahead started another copy"
+    assert not any(ahead.was_lent(row) for row in rows)
+    if on_copier:
+        assert ahead._ahead is not None
+        made, copying = ahead._ahead
+        copying.result(timeout=10)
+        assert copied_on == ["raylens-logits-copy"], f"the copy ran on {copied_on}, not the copier's thread"
+        ahead.copy_ahead()
+        assert ahead._ahead[1] is copying, "a second copy_ahead started another copy"
+    else:
+        made = ahead._host
+        assert made is not None and ahead._ahead is None and copied_on == []
+        ahead.copy_ahead()
+        assert ahead._host is made, "a second copy_ahead made another copy"
     for row in rows:
         mine, theirs = ahead.lend(row), lazy.lend(row)
         assert ahead.was_lent(row) and np.array_equal(mine, theirs) and mine.dtype == np.float32
@@ -228,6 +238,7 @@ def test_a_read_waits_for_the_copy_made_ahead_and_gets_its_error(monkeypatch):
         np.copyto(host, source[order])
 
     monkeypatch.setattr(tensor, "_copy_rows", slow_copy)
+    monkeypatch.setattr(tensor, "AHEAD_MIN_BYTES", 0)  # even this small copy goes to the copier
     batch = torch.arange(2 * 6, dtype=torch.float32).view(2, 6)
     host = HostLogits(batch, rows=[0, 1])
     host.copy_ahead()
