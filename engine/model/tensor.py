@@ -21,6 +21,7 @@ edit-and-return of a logits mod) wraps it without copying again.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 from concurrent.futures import Future
@@ -212,6 +213,9 @@ class _Copier:
 @functools.lru_cache(maxsize=1)
 def _copier() -> _Copier:
     return _Copier()
+
+
+os.register_at_fork(after_in_child=_copier.cache_clear)  # a forked child has no copier thread: it makes its own
 
 
 class ReleasedLogits:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -281,3 +284,36 @@ def test_a_logits_rows_device_and_dtype_are_read_without_making_its_view():
     assert row._view is None, "reading the device made the row's view"
     assert row.to(batch.device) is row
     assert np.array_equal(row.to_numpy(), batch[1:2].numpy()) and row.dtype == torch.float32
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_copies_ahead_on_a_copier_of_its_own(monkeypatch):
+    """A child forked after the copier started has no copier thread (only the forking thread
+    survives a fork); its copies made ahead must not wait for one forever."""
+    import engine.model.tensor as tensor
+    from engine.model.tensor import HostLogits
+
+    monkeypatch.setattr(tensor, "AHEAD_MIN_BYTES", 0)
+    batch = torch.arange(2 * 6, dtype=torch.float32).view(2, 6)
+    parent = HostLogits(batch, rows=[0, 1])
+    parent.copy_ahead()
+    assert parent.lend(0) is not None  # the parent's copier is running
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its copy made ahead is right
+        code = 2
+        try:
+            child = HostLogits(batch, rows=[0, 1])
+            child.copy_ahead()
+            code = 0 if np.array_equal(child.lend(1), batch[1:2].numpy()) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, "the child's copy made ahead was wrong or failed"
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's copy made ahead never finished (it waited for the parent's copier)")
