@@ -41,6 +41,9 @@ _LENT: "weakref.WeakValueDictionary[int, HostLogits]" = weakref.WeakValueDiction
 #: A copy made ahead smaller than this is made on the step loop's thread: the copier's wake-up
 #: (0.1-0.25 ms on a 2-core VM) would cost more than the copy (8 rows × 49,152: ~0.1 ms).
 AHEAD_MIN_BYTES = 2 << 20
+#: The longest the step loop waits for the copier to take a copy (it may be finishing the last
+#: step's, a few ms at most) before it gives up on that copier.
+COPIER_START_S = 1.0
 
 
 class HostLogits:
@@ -74,7 +77,9 @@ class HostLogits:
         after them; the first :meth:`lend` waits for what is left of it (at 64 concurrent requests
         that wait went from 1.2-1.4 ms a step to ~0.03). A copy smaller than
         :data:`AHEAD_MIN_BYTES` is made at once instead, by torch on this thread (which owns the
-        OpenMP workers). Nothing is lent; the copy is the one :meth:`lend` would make. Another batch (a GPU's) is still copied at the first read."""
+        OpenMP workers); so is nothing when the copier cannot take it (the first read copies).
+        Nothing is lent; the copy is the one :meth:`lend` would make. Another batch (a GPU's) is
+        still copied at the first read."""
         if self._host is not None or self._ahead is not None:  # every request of the step calls it; one copies
             return
         batch = self.batch
@@ -86,12 +91,14 @@ class HostLogits:
                 if len(order) * batch.shape[1] * 4 < AHEAD_MIN_BYTES:  # done before the copier would wake
                     rows = batch.detach()  # this thread owns the OpenMP workers: torch's parallel copy
                     every = order == list(range(batch.shape[0]))
-                    host = (rows.clone() if every else rows.index_select(0, torch.tensor(order))).numpy()
-                    self._host = host
-                    _LENT[id(host)] = self
+                    self._register((rows.clone() if every else rows.index_select(0, torch.tensor(order))).numpy())
                     return
                 host = np.empty((len(order), batch.shape[1]), dtype=np.float32)
-                self._ahead = (host, _copier().start(batch.detach().numpy(), order, host))
+                copying = _copier().start(batch.detach().numpy(), order, host)
+                if copying is None:  # the copier is gone or stuck: a new one next time, the first read copies
+                    _copier.cache_clear()
+                    return
+                self._ahead = (host, copying)
 
     def lend(self, row: int) -> np.ndarray | None:
         j = self.slot.get(row)
@@ -115,6 +122,10 @@ class HostLogits:
             copying.result()  # its error, if any, is the reader's
         else:
             host = _host_copy(self.batch, list(self.slot))
+        return self._register(host)
+
+    def _register(self, host: np.ndarray) -> np.ndarray:
+        """``host`` is the step's copy; ``from_numpy`` knows the views of it."""
         self._host = host
         _LENT[id(host)] = self
         return host
@@ -188,13 +199,20 @@ class _Copier:
         self._thread = threading.Thread(target=self._loop, name="raylens-logits-copy", daemon=True)
         self._thread.start()
 
-    def start(self, source: np.ndarray, order: list[int], host: np.ndarray) -> "Future[None]":
-        """Copy rows ``order`` of ``source`` into ``host``; returns once the copy has begun."""
+    def start(self, source: np.ndarray, order: list[int], host: np.ndarray) -> "Future[None] | None":
+        """Copy rows ``order`` of ``source`` into ``host``; returns once the copy has begun. None
+        when the copier's thread is gone, or has not taken the copy within
+        :data:`COPIER_START_S` (it is stuck): the step loop must never wait on it for long, and
+        the caller makes a new copier (a stuck thread that takes the copy later writes into
+        memory no one reads)."""
         future: Future[None] = Future()
         with self._lock:
+            if not self._thread.is_alive():
+                return None
             self._job = (source, order, host, future)
             self._go.release()
-            self._started.acquire()
+            if not self._started.acquire(timeout=COPIER_START_S):
+                return None
         return future
 
     def _loop(self) -> None:

@@ -317,3 +317,50 @@ def test_a_forked_child_copies_ahead_on_a_copier_of_its_own(monkeypatch):
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's copy made ahead never finished (it waited for the parent's copier)")
+
+
+@pytest.mark.parametrize("copier", ["gone", "stuck"])
+def test_a_copier_that_is_gone_or_stuck_never_holds_up_the_step_and_the_first_read_copies(copier, monkeypatch):
+    """The step loop waits for the copier only to take the copy; a copier whose thread died, or
+    that does not take it within COPIER_START_S, is given up (a new one next time) and the step's
+    first read makes the copy, right."""
+    import engine.model.tensor as tensor
+    from engine.model.tensor import HostLogits
+
+    release = threading.Event()
+    if copier == "gone":
+        thread = threading.Thread(target=lambda: None)
+    else:  # alive, never serving
+        thread = threading.Thread(target=release.wait, args=(30,), daemon=True)
+    thread.start()
+    if copier == "gone":
+        thread.join()
+    broken = tensor._Copier.__new__(tensor._Copier)  # its fields, without a thread that serves
+    broken._lock, broken._go, broken._started, broken._job, broken._thread = (
+        threading.Lock(), threading.Lock(), threading.Lock(), None, thread)
+    broken._go.acquire()
+    broken._started.acquire()
+
+    class Cached:  # stands in for the lru_cache'd _copier
+        cleared = 0
+
+        def __call__(self):
+            return broken
+
+        def cache_clear(self):
+            Cached.cleared += 1
+
+    monkeypatch.setattr(tensor, "_copier", Cached())
+    monkeypatch.setattr(tensor, "AHEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(tensor, "COPIER_START_S", 0.2)
+    batch = torch.arange(2 * 6, dtype=torch.float32).view(2, 6)
+    host = HostLogits(batch, rows=[0, 1])
+    started = time.monotonic()
+    try:
+        host.copy_ahead()
+        waited = time.monotonic() - started
+        assert waited < 5, f"the step loop waited {waited:.1f} s on a copier that could not copy"
+        assert host._ahead is None and Cached.cleared == 1, "the copier was not given up"
+        assert np.array_equal(host.lend(1), batch[1:2].numpy()) and np.array_equal(host.lend(0), batch[0:1].numpy())
+    finally:
+        release.set()
