@@ -418,13 +418,9 @@ class ModManager:
         for pending in pendings:
             if pending.skipped:
                 continue
-            if not keep_silent:
-                outcome = pending.outcome  # pending.quiet, inline: this runs for every call of every step
-                if outcome is not None and outcome[1] is None and isinstance(outcome[0], Noop) \
-                        and pending.buffer.empty:  # type: ignore[union-attr]
-                    stats.calls += 1
-                    stats.seconds += pending.elapsed_ms / 1000.0
-                    continue
+            if not keep_silent and pending.quiet:
+                stats.count(pending.elapsed_ms)
+                continue
             call = self._record(pending)
             stats.record(call)
             calls.append(call)

@@ -77,7 +77,7 @@ class HostLogits:
         after them; the first :meth:`lend` waits for what is left of it (at 64 concurrent requests
         that wait went from 1.2-1.4 ms a step to ~0.03). A copy smaller than
         :data:`AHEAD_MIN_BYTES` is made at once instead, by torch on this thread (which owns the
-        OpenMP workers); so is nothing when the copier cannot take it (the first read copies).
+        OpenMP workers); none is made when the copier cannot take it (the first read copies).
         Nothing is lent; the copy is the one :meth:`lend` would make. Another batch (a GPU's) is
         still copied at the first read."""
         if self._host is not None or self._ahead is not None:  # every request of the step calls it; one copies
