@@ -204,6 +204,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         del backend.execute
     medians = {name: statistics.median(v) for name, v in runs.items()}
     graph_stats = dict(getattr(backend, "graph_stats", {}))
+    paired = _paired_with_mod_free(runs)
     rows = []
     for name, value in medians.items():
         measured = inner.get(paths[name], paths[name])
@@ -216,10 +217,35 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
                      "runs": runs[name], "launch_gap_ms": statistics.median(gap) if gap else None,
                      "us_per_request_step": 1e6 / value if value else None,
                      "engine_us_per_request_step": statistics.median(own) if own else None})
+        if name in paired:  # a mod's row: its throughput over the mod-free run of the same round
+            rows[-1]["vs_mod_free"] = statistics.median(paired[name])
+            rows[-1]["vs_mod_free_runs"] = paired[name]
     return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
             "new_tokens": new_tokens, "repeats": repeats, "rows": rows, "graph_stats": graph_stats,
             "attention": getattr(backend, "paged_reason", None), "prepacked_linears": getattr(backend, "prepacked", None),
             "machine": _machine()}
+
+
+def _mod_free_path(name: str) -> str | None:
+    """The mod-free row a mod's row is measured against (None: ``name`` runs no mod)."""
+    if name == "raylens, 1 request + logits mod":
+        return "raylens, 1 request (default capture)"
+    if name.startswith("raylens, ") and " concurrent + logits mod each" in name:
+        return name.split(" + ", 1)[0] + " (default capture)"
+    return None
+
+
+def _paired_with_mod_free(runs: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each mod row's tokens/s over its mod-free row's, round by round. The two runs of a round
+    are seconds apart, so a ratio per round cancels the host's drift between rounds, which a ratio
+    of the two medians (each taken over rounds minutes apart) does not; the row reports the
+    median of these ratios."""
+    paired = {}
+    for name, values in runs.items():
+        free = _mod_free_path(name)
+        if free in runs and values and len(runs[free]) == len(values):
+            paired[name] = [mod / base for mod, base in zip(values, runs[free])]
+    return paired
 
 
 def _measure(paths: dict[str, Callable[[], int]], runs: dict[str, list[float]], repeats: int, device: Any,
@@ -265,11 +291,13 @@ def format_concurrency(report: dict[str, Any]) -> str:
     lines = [f"model {report['model']} on {report['device']} ({report['dtype']}), {report['new_tokens']} new tokens "
              f"per request, greedy, median of {report['repeats']}; {report.get('machine')}; "
              f"decode {report.get('graph_stats')}", "",
-             "| path | tokens/s | vs hf generate (same N) | µs per request-step | engine's own µs per "
-             "request-step | host gap before a launch (ms) |", "|---|---:|---:|---:|---:|---:|"]
+             "| path | tokens/s | vs hf generate (same N) | vs mod-free (same N, each round) | µs per request-step | "
+             "engine's own µs per request-step | host gap before a launch (ms) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for row in report["rows"]:
         gap, wall, own = row.get("launch_gap_ms"), row.get("us_per_request_step"), row.get("engine_us_per_request_step")
+        free = row.get("vs_mod_free")
         lines.append(f"| {row['path']} | {row['tokens_per_s']:.1f} | {row['vs_hf_padded']:.2f}x | "
+                     f"{'' if free is None else f'{free:.2f}x'} | "
                      f"{'' if wall is None else f'{wall:.0f}'} | {'' if own is None else f'{own:.0f}'} | "
                      f"{'' if gap is None else f'{gap:.2f}'} |")
     return "\n".join(lines)

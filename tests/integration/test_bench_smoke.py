@@ -39,6 +39,31 @@ def test_concurrency_bench_has_the_overlap_row_and_the_host_gap_of_each_raylens_
     assert paths["hf generate, padded batch of 2"]["launch_gap_ms"] is None
     assert engine.loop.defer_announcements is False, "the bench left the loop's switch changed"
     assert "host gap before a launch" in format_concurrency(report)
+    # a mod's rows are set against the mod-free row of the same round
+    free = paths["raylens, 2 concurrent (default capture)"]
+    for name in ("raylens, 2 concurrent + logits mod each", "raylens, 2 concurrent + logits mod each, logits kept",
+                 "raylens, 1 request + logits mod"):
+        base = free if name.startswith("raylens, 2") else paths["raylens, 1 request (default capture)"]
+        assert paths[name]["vs_mod_free_runs"] == [paths[name]["runs"][0] / base["runs"][0]], name
+        assert paths[name]["vs_mod_free"] == paths[name]["vs_mod_free_runs"][0]
+    assert "vs_mod_free" not in free and "vs_mod_free" not in paths["hf generate, padded batch of 2"]
+    assert "vs mod-free (same N, each round)" in format_concurrency(report)
+
+
+def test_a_mods_ratio_to_mod_free_is_the_median_of_each_rounds_ratio():
+    from pipelines.bench.batching import _paired_with_mod_free
+
+    runs = {"raylens, 8 concurrent (default capture)": [100.0, 50.0, 80.0],
+            "raylens, 8 concurrent + logits mod each": [90.0, 40.0, 40.0],  # the host slowed in round 2
+            "raylens, 8 concurrent + logits mod each, logits kept": [50.0, 25.0, 40.0],
+            "raylens, 1 request (default capture)": [10.0],
+            "raylens, 1 request + logits mod": [8.0],
+            "raylens, 32 concurrent + logits mod each": [5.0],  # its mod-free row did not run
+            "hf generate, padded batch of 8": [70.0, 70.0, 70.0]}
+    paired = _paired_with_mod_free(runs)
+    assert paired == {"raylens, 8 concurrent + logits mod each": [0.9, 0.8, 0.5],
+                      "raylens, 8 concurrent + logits mod each, logits kept": [0.5, 0.5, 0.5],
+                      "raylens, 1 request + logits mod": [0.8]}
 
 
 def test_concurrency_bench_reports_the_engines_own_time_per_request_step(engine):
@@ -150,7 +175,10 @@ def test_gpu_rows_print_the_goals_and_the_roofline_of_a_report():
     text = format_gpu_rows(report, 3.0e12, weights, kv, 100)
     assert "| one stream, default capture ≥ 140 tokens/s | 150.00 | yes |" in text
     assert "| 32 concurrent ≥ 1.0× HF static | 0.96 | **no** |" in text
-    assert "| 32 concurrent, a logits mod each ≥ 0.8× mod-free | 0.83 | yes |" in text
+    assert "| 32 concurrent, a logits mod each ≥ 0.8× mod-free | 0.83 | yes |" in text  # a report without pairs
+    paired_rows = [dict(row, vs_mod_free=0.79) if "logits mod" in row["path"] else row for row in rows]
+    paired = format_gpu_rows(dict(report, rows=paired_rows), 3.0e12, weights, kv, 100)
+    assert "| 32 concurrent, a logits mod each ≥ 0.8× mod-free | 0.79 | **no** |" in paired  # each round's ratio
     assert "128 concurrent, default capture ≥ 4,000 tokens/s | not run" in text
     single_roof = 3.0e12 / (weights + 100 * kv)
     assert f"{single_roof:,.0f} |" in text
