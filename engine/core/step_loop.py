@@ -206,6 +206,11 @@ class StepLoop:
             self._thread.join(timeout)
         self._finisher.shutdown(wait=True)
         self.mod_calls.close()
+        # the registry's key is weak, but this loop (its value) holds the backend: an entry left
+        # behind keeps the backend, its KV pool and this loop alive for the rest of the process
+        with _LOOPS_LOCK:
+            if _LOOPS.get(self.runner) is self:
+                del _LOOPS[self.runner]
 
     def forward_prompt(self, input_ids: Sequence[int], plan: CapturePlan, timeout: float | None = None) -> RowOutput:
         """One prefill-shaped forward of ``input_ids`` over blocks of its own (freed afterwards),
