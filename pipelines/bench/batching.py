@@ -240,7 +240,7 @@ def _paired_with_mod_free(runs: dict[str, list[float]]) -> dict[str, list[float]
     are seconds apart, so a ratio per round cancels the host's drift between rounds, which a ratio
     of the two medians (each taken over rounds minutes apart) does not; the row reports the
     median of these ratios."""
-    paired = {}
+    paired: dict[str, list[float]] = {}
     for name, values in runs.items():
         free = _mod_free_path(name)
         if free in runs and values and len(runs[free]) == len(values):
