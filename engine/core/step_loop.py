@@ -34,7 +34,6 @@ import logging
 import threading
 import time
 import uuid
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
@@ -53,8 +52,9 @@ __all__ = ["StepLoop", "Entry", "LoopStats"]
 
 log = logging.getLogger("raylens.step_loop")
 
-# one loop per backend: its KV pool and its forward belong to one thread
-_LOOPS: "weakref.WeakKeyDictionary[Any, StepLoop]" = weakref.WeakKeyDictionary()
+# one loop per backend: its KV pool and its forward belong to one thread. A plain dict: the loop holds
+# its backend, so a weak key would never die; a loop leaves it when it closes
+_LOOPS: dict[Any, "StepLoop"] = {}
 _LOOPS_LOCK = threading.Lock()
 
 
@@ -206,8 +206,7 @@ class StepLoop:
             self._thread.join(timeout)
         self._finisher.shutdown(wait=True)
         self.mod_calls.close()
-        # the registry's key is weak, but this loop (its value) holds the backend: an entry left
-        # behind keeps the backend, its KV pool and this loop alive for the rest of the process
+        # an entry left behind would keep the backend, its KV pool and this loop alive for good
         with _LOOPS_LOCK:
             if _LOOPS.get(self.runner) is self:
                 del _LOOPS[self.runner]

@@ -174,6 +174,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     paths["raylens, 1 request (no capture)"] = capture(False, False, ours(single, None))
     paths["raylens, 1 request (default capture)"] = ours(single, None)
     paths["raylens, 1 request + logits mod"] = ours(single, [logits_mod])
+    mod_free = {"raylens, 1 request + logits mod": "raylens, 1 request (default capture)"}  # mod row: its baseline
     for n in concurrency:
         ids_list = [engine.encode(p) for p in _prompts(n)]
         paths[f"hf generate, padded batch of {n}"] = hf_batch(ids_list)
@@ -187,6 +188,8 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         # what keeping every step's logits in the results costs (keep_logits=True; off by default)
         paths[f"raylens, {n} concurrent + logits mod each, logits kept"] = ours(ids_list, [logits_mod],
                                                                               keep_logits=True)
+        for kept in ("", ", logits kept"):
+            mod_free[f"raylens, {n} concurrent + logits mod each{kept}"] = f"raylens, {n} concurrent (default capture)"
     runs: dict[str, list[float]] = {name: [] for name in paths}
     inner_forward = backend.execute
 
@@ -204,7 +207,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         del backend.execute
     medians = {name: statistics.median(v) for name, v in runs.items()}
     graph_stats = dict(getattr(backend, "graph_stats", {}))
-    paired = _paired_with_mod_free(runs)
+    paired = _paired_with_mod_free(runs, mod_free)
     rows = []
     for name, value in medians.items():
         measured = inner.get(paths[name], paths[name])
@@ -226,24 +229,16 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             "machine": _machine()}
 
 
-def _mod_free_path(name: str) -> str | None:
-    """The mod-free row a mod's row is measured against (None: ``name`` runs no mod)."""
-    if name == "raylens, 1 request + logits mod":
-        return "raylens, 1 request (default capture)"
-    if name.startswith("raylens, ") and " concurrent + logits mod each" in name:
-        return name.split(" + ", 1)[0] + " (default capture)"
-    return None
-
-
-def _paired_with_mod_free(runs: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Each mod row's tokens/s over its mod-free row's, round by round. The two runs of a round
+def _paired_with_mod_free(runs: dict[str, list[float]], mod_free: dict[str, str]) -> dict[str, list[float]]:
+    """Each mod row's tokens/s over its mod-free row's (``mod_free``: mod row → mod-free row),
+    round by round. The two runs of a round
     are seconds apart, so a ratio per round cancels the host's drift between rounds, which a ratio
     of the two medians (each taken over rounds minutes apart) does not; the row reports the
     median of these ratios."""
     paired: dict[str, list[float]] = {}
-    for name, values in runs.items():
-        free = _mod_free_path(name)
-        if free in runs and values and len(runs[free]) == len(values):
+    for name, free in mod_free.items():
+        values = runs.get(name)
+        if values and free in runs and len(runs[free]) == len(values):
             paired[name] = [mod / base for mod, base in zip(values, runs[free])]
     return paired
 

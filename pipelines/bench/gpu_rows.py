@@ -60,11 +60,13 @@ def weight_bytes(name: str) -> tuple[int, int]:
     return sum(p.numel() for p in model.parameters()) * size, kv
 
 
+def _find(report: dict[str, Any], path: str) -> dict[str, Any]:
+    """The report's row of ``path`` (empty when it did not run)."""
+    return next((row for row in report["rows"] if row["path"] == path), {})
+
+
 def _row(report: dict[str, Any], path: str) -> float | None:
-    for row in report["rows"]:
-        if row["path"] == path:
-            return row["tokens_per_s"]
-    return None
+    return _find(report, path).get("tokens_per_s")
 
 
 def format_gpu_rows(report: dict[str, Any], bandwidth: float, weights: int, kv_per_position: int,
@@ -91,8 +93,7 @@ def format_gpu_rows(report: dict[str, Any], bandwidth: float, weights: int, kv_p
     for n in sorted({row["concurrency"] for row in report["rows"] if row["concurrency"] > 1}):
         free, modded = _row(report, f"raylens, {n} concurrent (default capture)"), \
             _row(report, f"raylens, {n} concurrent + logits mod each")
-        paired = next((row.get("vs_mod_free") for row in report["rows"]
-                       if row["path"] == f"raylens, {n} concurrent + logits mod each"), None)
+        paired = _find(report, f"raylens, {n} concurrent + logits mod each").get("vs_mod_free")
         if paired is not None:  # the median of each round's ratio (a report from before it: the medians' ratio)
             goals.append((f"{n} concurrent, a logits mod each ≥ 0.8× mod-free", paired, 0.8))
         elif free and modded:

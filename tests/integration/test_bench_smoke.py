@@ -60,7 +60,8 @@ def test_a_mods_ratio_to_mod_free_is_the_median_of_each_rounds_ratio():
             "raylens, 1 request + logits mod": [8.0],
             "raylens, 32 concurrent + logits mod each": [5.0],  # its mod-free row did not run
             "hf generate, padded batch of 8": [70.0, 70.0, 70.0]}
-    paired = _paired_with_mod_free(runs)
+    mod_free = {name: name.split(" + ")[0] + " (default capture)" for name in runs if " + logits mod" in name}
+    paired = _paired_with_mod_free(runs, mod_free)
     assert paired == {"raylens, 8 concurrent + logits mod each": [0.9, 0.8, 0.5],
                       "raylens, 8 concurrent + logits mod each, logits kept": [0.5, 0.5, 0.5],
                       "raylens, 1 request + logits mod": [0.8]}

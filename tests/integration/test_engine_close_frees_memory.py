@@ -26,10 +26,3 @@ def test_a_closed_engine_leaves_no_backend_or_step_loop_alive():
     gc.collect()
     assert loop() is None, "the closed engine's step loop is still reachable"
     assert backend() is None, "the closed engine's backend (and its KV pool) is still reachable"
-
-
-def test_an_open_engine_keeps_its_step_loop_positive_control():
-    with Engine(build_config()) as engine:
-        loop = weakref.ref(engine.loop)
-        gc.collect()
-        assert loop() is engine.loop
