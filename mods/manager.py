@@ -430,6 +430,8 @@ class ModManager:
         name = pending.name
         event_type = type(pending.event).__name__
         step = getattr(pending.event, "step", 0)
+        action: ModAction
+        exception: ModException | None
         if pending.outcome is None:  # abandoned after its time limit
             timeout = ModCallTimeout(name, self._timeout or 0.0, event_type, step)
             action, exception, rejected, fatal = Noop(), _timeout_record(timeout, pending.stack), None, True
@@ -444,9 +446,9 @@ class ModManager:
             log.log(logging.ERROR if fatal else logging.WARNING, "mod %s raised %s on %s step %s: %s", name,
                     exception.type, event_type, step, exception.message)
         try:
-            action._source = name
+            action._source = name  # type: ignore[attr-defined]
             if logs:
-                action._mod_logs = "".join(entry.message for entry in logs)
+                action._mod_logs = "".join(entry.message for entry in logs)  # type: ignore[attr-defined]
         except AttributeError:  # an action object that refuses attributes: the record still has it
             pass
         return ModCall(name, event_type, step, action, logs, started_at, elapsed_ms, exception, rejected,

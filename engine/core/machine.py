@@ -438,9 +438,10 @@ class RequestMachine:
     def _finish_structured(self) -> None:
         """The grammar took its end token: the output is complete. An enforced tool choice's
         output becomes the request's tool call, as a mod's ToolCalls would report it."""
-        state = self.state
-        if state.grammar.spec.is_tool_call:
-            state.finish_with(FinishReason.TOOL_CALLS, tool_calls=[state.grammar.tool_call(state.generated)])
+        state, grammar = self.state, self.state.grammar
+        assert grammar is not None  # internal invariant: called only when the request's grammar ended
+        if grammar.spec.is_tool_call:
+            state.finish_with(FinishReason.TOOL_CALLS, tool_calls=[grammar.tool_call(state.generated)])
         else:
             state.finish_with(FinishReason.STOP)
 
