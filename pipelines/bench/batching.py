@@ -231,10 +231,9 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
 
 def _paired_with_mod_free(runs: dict[str, list[float]], mod_free: dict[str, str]) -> dict[str, list[float]]:
     """Each mod row's tokens/s over its mod-free row's (``mod_free``: mod row → mod-free row),
-    round by round. The two runs of a round
-    are seconds apart, so a ratio per round cancels the host's drift between rounds, which a ratio
-    of the two medians (each taken over rounds minutes apart) does not; the row reports the
-    median of these ratios."""
+    round by round. The two runs of a round are seconds apart, so a ratio per round cancels the
+    host's drift between rounds, which a ratio of the two medians (each taken over rounds minutes
+    apart) does not; the row reports the median of these ratios."""
     paired: dict[str, list[float]] = {}
     for name, free in mod_free.items():
         values = runs.get(name)
