@@ -35,7 +35,7 @@ from engine.engine_metrics import EngineMetrics, MetricsRecorder
 from engine.errors import ContextOverflowError, InvalidRequestError, check_request_token_ids
 from engine.model import Backend, create_backend
 from engine.model.capture import CapturePlan, event_plan
-from engine.model.hook_names import resid_post
+from engine.model.hook_names import HookName, resid_post
 from engine.model.sampling import SamplingParams, make_generator
 from engine.model.tensor import TensorShim
 from engine.services.ingest_client import IngestClient
@@ -276,9 +276,9 @@ class Engine:
         processed = self._unused_request_id(self.processor.process(as_request(request, fields)))
         info = self.backend.info
         request_id = processed.request_id
-        names = set(self._event_names)
+        names: set[HookName | str] = set(self._event_names)
         if self._sink is not None:
-            names.add(resid_post(self._sink_layer))  # type: ignore[arg-type]
+            names.add(resid_post(self._sink_layer))  # type: ignore[arg-type]  # set with the sink
         if processed.attention_all_layers:
             names.update(f"blocks.{layer}.attn.hook_pattern" for layer in range(info.num_layers))
         plan = CapturePlan.of(names, info.num_layers)

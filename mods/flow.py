@@ -357,7 +357,7 @@ class FlowEngine(Generic[TState]):
             question = state.current_question
             if question is None:
                 return actions.noop()
-            action = self._ensure_constraint(question).handle_added(event, actions, tokenizer)
-            return self._advance_on_completion(event=event, state=state, question=question, last_action=action,
+            added = self._ensure_constraint(question).handle_added(event, actions, tokenizer)
+            return self._advance_on_completion(event=event, state=state, question=question, last_action=added,
                                                actions=actions, tokenizer=tokenizer)
         return actions.noop()

@@ -162,12 +162,12 @@ def install_legacy_names(tensor_class: type | None = None) -> None:
         if driver is None:
             driver = types.ModuleType("max.driver", "raylens stand-in for max.driver (Tensor only)")
             setattr(driver, _MARKER, True)
-            driver.Tensor = NumpyTensor
+            setattr(driver, "Tensor", NumpyTensor)
             sys.modules["max.driver"] = driver
-            sys.modules["max"].driver = driver
+            setattr(sys.modules["max"], "driver", driver)
         elif not getattr(driver, _MARKER, False):
             raise LegacyNameConflict("`max.driver` is provided by another package; uninstall it")
         if tensor_class is not None:
-            driver.Tensor = tensor_class
+            setattr(driver, "Tensor", tensor_class)
         if _finder not in sys.meta_path:
             sys.meta_path.insert(0, _finder)

@@ -39,8 +39,8 @@ class EraseMode(Enum):
 
 @dataclass
 class _State:
-    compiled: Any | None = None
-    strat_state: Any | None = None
+    compiled: Any = None  # the compiled strategy (None until the request's first event)
+    strat_state: Any = None
     prompt_tokens: List[int] = field(default_factory=list)
     prompt_emitted: bool = False
     outstanding_forced: int = 0
@@ -131,8 +131,11 @@ class SelfPrompt:
         updated = False
         if isinstance(spec, ChoicesStrat):
             spec.choices, updated = values, True
-        elif isinstance(spec, ListStrat) and idx is not None and isinstance(spec.elements[idx], ChoicesStrat):
-            spec.elements[idx].choices, updated = values, True
+        elif isinstance(spec, ListStrat) and idx is not None:
+            # a list of one repeated element has that element at every index
+            element = spec.elements[idx] if isinstance(spec.elements, list) else spec.elements
+            if isinstance(element, ChoicesStrat):
+                element.choices, updated = values, True
         if updated and isinstance(request_id, str):
             self._states.pop(request_id, None)
 

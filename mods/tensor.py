@@ -102,7 +102,7 @@ class MaskedLogits:
         """``(V,)`` bool: True where the id is set to :attr:`value`."""
         vocab = self.shape[-1]
         if self.allowed is not None:
-            out = np.ones(vocab, dtype=bool)
+            out: np.ndarray = np.ones(vocab, dtype=bool)
             out[self.allowed] = False
         else:
             out = np.zeros(vocab, dtype=bool)

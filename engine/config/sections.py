@@ -17,7 +17,9 @@ from .checks import (I32_MAX, MIN_TEMPERATURE, MOD_LOG_MAX_CHARS, MOD_LOG_MIN_CH
                      _check_device, _DTYPES, is_int, is_real, require_fields)
 
 __all__ = ["BackendConfig", "GenerationConfig", "StructuredConfig", "IngestConfig", "ActivationsConfig", "SAEConfig",
-           "RayConfig", "RaylensConfig", "SECTIONS", "build_section"]
+           "RayConfig", "RaylensConfig", "SECTIONS", "build_section", "GraphDecode"]
+
+GraphDecode = Literal["auto", "static", "compile", "off"]  # backend.graph_decode's values
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class BackendConfig:
     # decode forwards on static buffers: "auto" captures CUDA graphs on a GPU (eager elsewhere),
     # "static" runs the static-buffer path without capture, "compile" runs it through torch.compile
     # (a compile per decode shape; pays off on long CPU runs only), "off" is always eager
-    graph_decode: Literal["auto", "static", "compile", "off"] = "auto"
+    graph_decode: GraphDecode = "auto"
     # linear layers on oneDNN-prepacked weights (engine/model/prepack.py): "auto" packs on a CPU
     # (float32/bfloat16; the packed copy costs the linear weights' size once more in memory), "off"
     # keeps torch's default GEMM
@@ -390,19 +392,22 @@ class RaylensConfig:
         working directory is a throwaway copy (a Ray Job's) but the data must outlive it."""
         root = Path(base)
 
-        def absolute(path: str | None) -> str | None:
-            return path if path is None or Path(path).is_absolute() else str((root / path).resolve())
+        def absolute(path: str) -> str:
+            return path if Path(path).is_absolute() else str((root / path).resolve())
+
+        def absolute_or_none(path: str | None) -> str | None:
+            return None if path is None else absolute(path)
 
         sae_id = self.sae.sae_id
         if ("/" in sae_id or sae_id.startswith(".")) and not Path(sae_id).is_absolute():
-            sae_id = absolute(sae_id) or sae_id
+            sae_id = absolute(sae_id)
         return dataclasses.replace(
             self,
             activations=dataclasses.replace(self.activations, db_path=absolute(self.activations.db_path),
                                             parquet_path=absolute(self.activations.parquet_path)),
             ingest=dataclasses.replace(self.ingest, spool_dir=absolute(self.ingest.spool_dir)),
-            backend=dataclasses.replace(self.backend, model_cache_dir=absolute(self.backend.model_cache_dir),
-                                        compile_cache_dir=absolute(self.backend.compile_cache_dir)),
+            backend=dataclasses.replace(self.backend, model_cache_dir=absolute_or_none(self.backend.model_cache_dir),
+                                        compile_cache_dir=absolute_or_none(self.backend.compile_cache_dir)),
             sae=dataclasses.replace(self.sae, sae_id=sae_id),
         )
 

@@ -44,8 +44,11 @@ def forward_event(request_id: str, step: int, output: RowOutput | RowCapture, la
     captured = output if isinstance(output, RowCapture) else output.captured
     hidden = captured.hidden.get(layer)
     attention = captured.attention.get(layer)
+    if logits is None:
+        assert not isinstance(output, RowCapture)  # internal invariant: internals alone come with released logits
+        logits = _logits_shim(output, host)
     return ForwardPass(
-        request_id, step, logits if logits is not None else _logits_shim(output, host),  # (1, V)
+        request_id, step, logits,  # (1, V)
         hidden_states=_shim(hidden if hidden is None or hidden.shape[0] == 1 else hidden[-1:]),  # (1, d)
         attention_patterns=_shim(attention if attention is None or attention.shape[1] == 1
                                  else attention[:, -1:, :]),  # (h, 1, kv)

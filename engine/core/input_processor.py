@@ -121,5 +121,5 @@ class InputProcessor:
             keep_logits=gen.keep_logits,
             context=RequestContext(request.user_prompt, tuple(request.conversation),
                                    dict(request.response_format) if request.response_format is not None else None,
-                                   request.tools),
+                                   tuple(request.tools) if request.tools is not None else None),
         )

@@ -203,9 +203,10 @@ class GenerationRequest:
     """
 
     prompt: str | None = None
-    messages: tuple[dict[str, Any], ...] | None = None
-    input_ids: tuple[int, ...] | None = None
-    tools: tuple[dict[str, Any], ...] | None = None
+    # any sequence is taken; each is stored as a tuple (the request is frozen and hashable)
+    messages: Sequence[dict[str, Any]] | None = None
+    input_ids: Sequence[int] | None = None
+    tools: Sequence[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     mods: tuple[Any, ...] = ()
     max_tokens: int | None = None

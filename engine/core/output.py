@@ -42,7 +42,7 @@ class OutputProcessor:
         stop = state.request.stop_ids
         output_ids = [] if state.finish is FinishReason.TOOL_CALLS else [t for t in tokens if t not in stop]
         output_text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
-        payload: dict[str, Any] | DeferredPayload = DeferredPayload(functools.partial(
+        deferred = DeferredPayload(functools.partial(
             state.payload.build, final_ids=output_ids, final_text=output_text,  # type: ignore[attr-defined]
             finish_reason=str(state.finish), prompt_tokens=len(state.prompt_ids),
             extra={"tool_calls": state.tool_calls, "error": state.error}, completed_at=time.time()))
@@ -52,8 +52,9 @@ class OutputProcessor:
             metadata["given_request_id"] = given  # a reused id ran under a fresh one
         if steers:
             metadata["steers"] = list(steers)  # also in the requests table; never an ingest action
+        payload: dict[str, Any] | DeferredPayload = deferred
         if self.ingest is not None:  # sent now; otherwise built only if the result's payload is read
-            payload = payload.get()  # type: ignore[union-attr]
+            payload = deferred.get()
             delivery = self.ingest.send(payload)
             metadata["ingest"] = {"delivered": delivery.delivered, "spooled_to": delivery.spooled_to}
         sae = self.sae_metadata()
@@ -62,7 +63,9 @@ class OutputProcessor:
         result = GenerationResult(
             request_id=state.request_id, prompt_ids=list(state.prompt_ids), output_ids=output_ids,
             output_text=output_text, finish_reason=state.finish, events=state.events,  # type: ignore[arg-type]
-            actions=state.actions, ignored_actions=state.ignored, payload=payload, metadata=metadata,
+            actions=state.actions, ignored_actions=state.ignored,
+            payload=payload,  # type: ignore[arg-type]  # a DeferredPayload: built on its first read
+            metadata=metadata,
             tool_calls=state.tool_calls, error=state.error, error_parameter=state.error_parameter,
             sequence_ids=list(state.generated),
             token_logprobs=list(state.logprobs) if state.request.logprobs >= 0 else None,

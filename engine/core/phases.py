@@ -56,7 +56,7 @@ def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRun
     return results
 
 
-def run_guarded(machine: "RequestMachine", fn: Callable[[], Any]) -> Any:
+def run_guarded(machine: "RequestMachine", fn: Callable[[], T]) -> T | None:
     """Run one request's part of a step; a fault ends that request alone (None is returned)."""
     try:
         return fn()

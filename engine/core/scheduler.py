@@ -32,6 +32,7 @@ What the scheduler reads of a request is its machine's small scheduling interfac
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -96,7 +97,8 @@ def plan_tokens(needs: Sequence[tuple[bool, int]], max_step_tokens: int) -> list
     """``(index, tokens it may feed now)`` for every ``(decoding, pending tokens)`` with something
     to feed, decoding ones first (one token each reserved, then what the budget leaves), then
     prompts in order, within ``max_step_tokens``."""
-    decoding, prefilling = [], []
+    decoding: list[tuple[int, int]] = []
+    prefilling: list[tuple[int, int]] = []
     for i, (is_decoding, need) in enumerate(needs):
         if need:
             (decoding if is_decoding else prefilling).append((i, need))
@@ -194,21 +196,21 @@ class Scheduler:
         plan = self._budget(live)
         while fresh := [live[i] for i, _ in plan if not live[i].prefix_checked]:
             for entry in fresh:  # reused prefixes shrink what these need: plan the budget again
-                run_guarded(entry.machine, lambda e=entry: self._reuse_prefix(e))
+                run_guarded(entry.machine, functools.partial(self._reuse_prefix, entry))
             plan = self._budget(live)
         entries, rows, starved = [], [], []
         kv = self.kv
         for i, allowance in plan:
             entry = live[i]
             machine = entry.machine
-            feed = run_guarded(machine, lambda m=machine, n=allowance: m.next_feed(n))
+            feed = run_guarded(machine, functools.partial(machine.next_feed, allowance))
             if feed is None:
                 continue
             start, tokens = feed
             if not kv.reserve(machine.request_id, start + len(tokens)):
                 starved.append(entry)  # outgrew its reservation: waits for blocks to free
                 continue
-            table = run_guarded(machine, lambda m=machine, s=start, n=len(tokens): kv.prepare(m.request_id, s, n))
+            table = run_guarded(machine, functools.partial(kv.prepare, machine.request_id, start, len(tokens)))
             if table is None:
                 continue
             entries.append(entry)
@@ -244,7 +246,7 @@ class Scheduler:
                 machine.fail(f"the forward pass failed: {type(out).__name__}: {out}")
                 continue
             kv.record(row.request_id, row.start, row.tokens, out.captured, row.steer is not None)
-            if run_guarded(machine, lambda m=machine, r=row, o=out: m.on_forward(r, o, forward_ms)) is False:
+            if run_guarded(machine, functools.partial(machine.on_forward, row, out, forward_ms)) is False:
                 stats.prefill_chunks += 1
             stats.tokens_fed += len(row.tokens)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -302,14 +303,14 @@ class StepLoop:
         ready = [e for e in self.scheduler.running if e.machine.ready]
         fast = [e for e in ready if e.machine.fast]  # nobody watches them step by step
         watched = [e for e in ready if not e.machine.fast]
-        rows = [run_guarded(e.machine, lambda m=e.machine: m.fast_step(now)) for e in fast]
+        rows = [run_guarded(e.machine, functools.partial(e.machine.fast_step, now)) for e in fast]
         rows += drive([(e.machine, e.machine.step()) for e in watched], self.mod_calls)
         sampling = [(e, row) for e, row in zip(fast + watched, rows) if row is not None and not e.machine.finished]
         samples = self._sample(sampling)
         self._sampled_at = time.perf_counter() if sampling else None
         split = sum(1 for e, _ in sampling if e.machine.fast)  # the fast ones come first
         for (entry, _), sample in zip(sampling[:split], samples[:split]):
-            if run_guarded(entry.machine, lambda m=entry.machine, s=sample: m.fast_sample(s, now)):
+            if run_guarded(entry.machine, functools.partial(entry.machine.fast_sample, sample, now)):
                 self._held.append(entry)
         held = drive([(e.machine, e.machine.on_sample(s)) for (e, _), s in zip(sampling[split:], samples[split:])],
                      self.mod_calls)
@@ -333,7 +334,7 @@ class StepLoop:
         self._flush_held()
         self.scheduler.update(output, results, elapsed_ms)
 
-    def _execute_isolated(self, output: SchedulerOutput) -> list[RowOutput | Exception]:
+    def _execute_isolated(self, output: SchedulerOutput) -> Sequence[RowOutput | Exception]:
         batch = output.batch
         try:
             return self.runner.execute(batch).rows()

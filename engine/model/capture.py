@@ -276,7 +276,7 @@ def split_rows(outputs: Any, plans: Sequence[CapturePlan], capture: AttentionCap
         hidden = {layer: outputs.hidden_states[hidden_index[layer]][row, first:] for layer in plan.hidden_layers}
         attention = {}
         for layer in plan.attention_layers:
-            pattern = capture.patterns[layer][taken[layer]]  # type: ignore[union-attr]  (h, q or 1, kv)
+            pattern = capture.patterns[layer][taken[layer]]  # type: ignore[union-attr]  # (h, q or 1, kv)
             taken[layer] += 1
             if pattern.shape[1] > 1:
                 pattern = pattern[:, first:] if plan.all_query_rows else pattern[:, -1:]

@@ -140,7 +140,7 @@ def _embed_batches(taps: Any, ids: list[list[int]], name: HookName, pad_id: int 
     model = taps.model
     device = next(model.parameters()).device
     pad = 0 if pad_id is None else int(pad_id)  # never attended: masked, at the end
-    out = np.empty((len(ids), int(model.config.hidden_size)), dtype=np.float32)
+    out: np.ndarray = np.empty((len(ids), int(model.config.hidden_size)), dtype=np.float32)
     for width, chunk in batches([len(t) for t in ids], batch_size, max_tokens):
         lengths = torch.tensor([len(ids[i]) for i in chunk], device=device)  # (B,)
         batch = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)  # (B, T)

@@ -308,4 +308,4 @@ class HuggingFaceBackend:
         return capture(self._taps, input_ids, names, out=out, model_id=self.info.model_id)
 
     def shutdown(self) -> None:
-        self.model = self._taps = None
+        self.model = self._taps = None  # type: ignore[assignment]  # shut down: nothing uses them after

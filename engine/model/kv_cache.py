@@ -154,10 +154,11 @@ def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
     """``{name: cache}`` for ``model(...)``, under the name its forward takes the cache by:
     transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works but warns
     on every call, and goes in 5.40); earlier releases know only ``past_key_values``."""
-    return {_cache_parameter(type(getattr(model, "_orig_mod", model))): cache}  # torch.compile wraps it
+    model_class: Any = type(getattr(model, "_orig_mod", model))  # torch.compile wraps it
+    return {_cache_parameter(model_class): cache}
 
 
 @lru_cache(maxsize=None)
-def _cache_parameter(model_class: type) -> str:
+def _cache_parameter(model_class: Any) -> str:
     parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"

@@ -44,7 +44,11 @@ def layer_windows(config: Any, num_layers: int) -> list[int | None]:
     if unknown:
         raise UnsupportedModelError(f"layer types must be {_FULL} or {_SLIDING}, got {unknown}; raylens builds "
                                     "causal and sliding-window masks only", parameter="model", value=unknown)
-    return [int(window) if t == _SLIDING else None for t in types]
+    sliding = int(window) if window else None
+    if sliding is None and _SLIDING in types:
+        raise UnsupportedModelError(f"the model's config has {_SLIDING} layers but no sliding_window ({window!r}); "
+                                    "set sliding_window in its config.json", parameter="model", value=window)
+    return [sliding if t == _SLIDING else None for t in types]
 
 
 @dataclass(frozen=True)

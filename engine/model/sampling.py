@@ -189,7 +189,7 @@ def _gather(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
     """``(len(which), V)`` float32: the logits of those rows, in that order — one ``index_select``
     for rows of one batch's logits (the whole batch itself when they are all of it, in order),
     a stack for rows of their own."""
-    sources = {id(rows[i].source[0]) for i in which if rows[i].source is not None}
+    sources = {id(source[0]) for i in which if (source := rows[i].source) is not None}
     if len(sources) == 1 and all(rows[i].source is not None for i in which):
         batch = rows[which[0]].source[0]  # type: ignore[index]
         indices = [rows[i].source[1] for i in which]  # type: ignore[index]
@@ -217,7 +217,7 @@ def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
     batch = next((rows[i].source[0] for i in which  # type: ignore[index]
                   if rows[i].top is not None and rows[i].source is not None), None)
     ranked = [] if batch is None or batch.device.type != "cpu" else \
-        [i for i in which if rows[i].top is not None and rows[i].source is not None and rows[i].source[0] is batch]
+        [i for i in which if rows[i].top is not None and (source := rows[i].source) is not None and source[0] is batch]
     if not ranked:
         return row_max(_gather(rows, which))[1]
     if len(ranked) < len(which):
@@ -347,17 +347,17 @@ def sample_rows(rows: Sequence[SampleRow]) -> list[SampleResult]:
     if not asking:
         (tokens,) = _host_read(ids)  # the step's one host read
         return [SampleResult(int(t)) for t in tokens]
-    picked = logp.gather(1, ids[asking].unsqueeze(1))[:, 0]  # type: ignore[union-attr]  (N,)
+    picked = logp.gather(1, ids[asking].unsqueeze(1))[:, 0]  # type: ignore[union-attr]  # (N,)
     k = min(max(rows[i].logprobs for i in asking), logp.shape[-1])  # type: ignore[union-attr]
     top_v, top_i = logp.topk(k, dim=-1) if k > 0 else (picked[:, None], ids[asking][:, None])  # type: ignore[union-attr]
     tokens, picked_h, top_vh, top_ih = _host_read(ids, picked, top_v, top_i)  # the step's one host read
-    where = {i: j for j, i in enumerate(asking)}
+    position = {i: j for j, i in enumerate(asking)}
     results = []
     for i, row in enumerate(rows):
         if row.logprobs < 0:
             results.append(SampleResult(int(tokens[i])))
             continue
-        j = where[i]
+        j = position[i]
         top = tuple(zip(top_ih[j][:row.logprobs], top_vh[j][:row.logprobs])) if row.logprobs > 0 else None
         results.append(SampleResult(int(tokens[i]), float(picked_h[j]), top))
     return results

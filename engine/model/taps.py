@@ -88,7 +88,7 @@ class Recording:
             return self.raw[tap.reads[0]]
         if derive in ("rms_scale", "rms_normalized", "layer_scale", "layer_normalized"):
             return self._norm(tap, derive)
-        layer: int = name.layer  # type: ignore[assignment]  (every derived tap is per block)
+        layer: int = name.layer  # type: ignore[assignment]  # every derived tap is per block
         attn = self.taps.attention(layer)
         if derive == "heads":
             flat = self.raw[tap.reads[0]]  # (B, T, heads * hd)

@@ -138,11 +138,13 @@ class HostLogits:
         if lent is not None and lent[0] is array:
             return lent[1]
         host = self._host
-        if host is None or array.base is not host or array.size != host.shape[1]:
+        if host is None or array.size != host.shape[1]:
             return None
-        offset = array.ctypes.data - host.ctypes.data
         row_bytes = host.shape[1] * host.itemsize
-        return offset // row_bytes if offset % row_bytes == 0 and array.flags.c_contiguous else None
+        offset = array.ctypes.data - host.ctypes.data
+        if array.base is not host or offset % row_bytes or not array.flags.c_contiguous:
+            return None
+        return offset // row_bytes
 
     def row_max(self, slot: int) -> tuple[float, int]:
         """``(maximum, its first index)`` of lent row ``slot`` as its mod left it. Every row at once,
@@ -150,7 +152,7 @@ class HostLogits:
         are applied after all of its mod calls returned, so no row changes after that."""
         with self._lock:
             if self._maxima is None:
-                values, indices = row_max(torch.from_numpy(self._host))  # type: ignore[arg-type]  (M,)
+                values, indices = row_max(torch.from_numpy(self._host))  # type: ignore[arg-type]  # (M,)
                 self._maxima = (values.tolist(), indices.tolist())
             values, indices = self._maxima
         return values[slot], indices[slot]

@@ -118,7 +118,8 @@ class _Handler(BaseHTTPRequestHandler):
     server: "_Server"
 
     def setup(self) -> None:
-        self.timeout = self.server.read_timeout_s  # StreamRequestHandler applies it to the socket
+        # StreamRequestHandler applies it to the socket; the class's default, per connection here
+        self.timeout = self.server.read_timeout_s  # type: ignore[misc]
         super().setup()
 
     def _reply(self, status: int, body: Any = None, *, close: bool = False) -> None:
@@ -252,6 +253,7 @@ class IngestServer:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET server's address is (host, port)
         return f"http://{host}:{port}/v1/ingest"
 
     def serve_forever(self) -> None:

@@ -50,7 +50,7 @@ _I32_MAX = 2**31 - 1
 
 def check_int(name: str, value: Any, low: int, high: int = _I32_MAX) -> int:
     """``value`` if it is an integer in ``[low, high]``, else :class:`InvalidRequestError`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= int(value) <= high:
         raise InvalidRequestError(f"`{name}` must be an integer in [{low}, {high}], got {value!r}", parameter=name,
                                   value=value)
     return int(value)

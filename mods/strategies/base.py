@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Optional, Protocol, Set, runtime_checkable
+from typing import AbstractSet, Any, Callable, Dict, Iterable, Optional, Protocol, Set, runtime_checkable
 
 import numpy as np
 
@@ -44,9 +44,9 @@ class Strategy(Protocol):
 
     def start(self, tokenizer: Any) -> RuntimeState: ...
 
-    def allowed_tokens(self, state: RuntimeState, tokenizer: Any) -> Set[int]: ...
+    def allowed_tokens(self, state: RuntimeState, tokenizer: Any) -> AbstractSet[int]: ...
 
-    def disallowed_tokens(self, state: RuntimeState, tokenizer: Any) -> Set[int]: ...
+    def disallowed_tokens(self, state: RuntimeState, tokenizer: Any) -> AbstractSet[int]: ...
 
     def step(self, state: RuntimeState, token_id: int, tokenizer: Any) -> Optional[Backtrack] | Optional[ForceTokens]: ...
 

@@ -14,7 +14,7 @@ step has no constraint; an element whose stop character is the wrap character ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Set
+from typing import AbstractSet, Any, List, Optional, Set
 
 from ..types import Backtrack, ForceTokens
 from .base import RuntimeState, Strategy
@@ -74,10 +74,10 @@ class ListStrategy(Strategy):
     def is_complete(self, state: Any) -> bool:
         return state._complete
 
-    def disallowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def disallowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         return set()
 
-    def allowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def allowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         if state._complete:
             return set()
         phase = state.phase

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, FrozenSet, List, Optional, Set
+from typing import AbstractSet, Any, FrozenSet, List, Optional
 
 try:  # the stdlib regex parser (public as sre_parse before 3.11)
     from re import _parser as _sre_parse  # type: ignore[attr-defined]
-    from re import _constants as _sre
+    from re import _constants as _sre  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - older layouts
     import sre_constants as _sre  # type: ignore[no-redef]
     import sre_parse as _sre_parse  # type: ignore[no-redef]
@@ -110,7 +110,7 @@ class FixedPatternStrategy(Strategy):
     def start(self, tokenizer: Any) -> RuntimeState:
         return _FixedState()  # type: ignore[return-value]
 
-    def allowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def allowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         if state.done or state.pos >= self._length:
             return set()
         table = token_texts(tokenizer)
@@ -118,7 +118,7 @@ class FixedPatternStrategy(Strategy):
         return table.memo(("pattern", tuple(self._positions), pos),
                           lambda: IdSet(tid for tid, text in table.items() if self._fits(text, pos)))
 
-    def disallowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def disallowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         return set()
 
     def step(self, state: Any, token_id: int, tokenizer: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any, List, Optional, Set, cast
+from typing import AbstractSet, Any, List, Optional, Set, cast
 
 from ..types import Backtrack, ForceTokens
 from .base import IdSet, RuntimeState, Strategy, TrieNode, decode_token, require_token_ids, token_texts  # noqa: F401
@@ -52,12 +52,12 @@ class ChoicesStrategy(Strategy):
     def start(self, tokenizer: Any) -> RuntimeState:
         return cast(RuntimeState, _ChoicesState(active=[self._root]))
 
-    def allowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def allowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         nodes = state.active or [self._root]
         state.has_terminal = any(node.terminal for node in nodes)
         return {token for node in nodes for token in node.children}
 
-    def disallowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def disallowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         return set()
 
     def step(self, state: Any, token_id: int, tokenizer: Any) -> None:
@@ -109,7 +109,7 @@ class UntilStrategy(Strategy):
     def start(self, tokenizer: Any) -> RuntimeState:
         return cast(RuntimeState, _UntilState())
 
-    def allowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def allowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         if self._start_tag and len(state.accum) < len(self._start_tag):
             tag = tokenizer.encode(self._start_tag, add_special_tokens=False)
             done = tokenizer.encode(state.accum, add_special_tokens=False)
@@ -117,7 +117,7 @@ class UntilStrategy(Strategy):
         table = token_texts(tokenizer)
         return table.memo(("all",), lambda: IdSet(table.ids.tolist()))
 
-    def disallowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def disallowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         return _eos(tokenizer) if state.disallow_eos else set()
 
     def step(self, state: Any, token_id: int, tokenizer: Any) -> None:
@@ -250,7 +250,7 @@ class CharsStrategy(Strategy):
         stop_token = int(tokenizer.encode(self._stop, add_special_tokens=False)[0]) if self._stop else None
         return cast(RuntimeState, _CharsState(stop_token=stop_token))
 
-    def allowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def allowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         stop_ok = state.stop_token is not None and state.char_count >= self._min
         if self._kind == CharsMode.JS_FLOAT:
             groups = self._js_float(tokenizer)
@@ -272,7 +272,7 @@ class CharsStrategy(Strategy):
         key = ("chars-stop", self._kind, self._stop, self._include_stop, remaining, state.stop_token)
         return token_texts(tokenizer).memo(key, lambda: IdSet(plain | with_stop | {state.stop_token}))
 
-    def disallowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def disallowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         return _eos(tokenizer)
 
     def step(self, state: Any, token_id: int, tokenizer: Any) -> None:
@@ -323,10 +323,10 @@ class TokensStrategy(Strategy):
     def start(self, tokenizer: Any) -> RuntimeState:
         return cast(RuntimeState, _TokensState())
 
-    def allowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def allowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         return self._token_ids
 
-    def disallowed_tokens(self, state: Any, tokenizer: Any) -> Set[int]:
+    def disallowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         return set()
 
     def step(self, state: Any, token_id: int, tokenizer: Any) -> Optional[Backtrack] | Optional[ForceTokens]:

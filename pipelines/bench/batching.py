@@ -200,9 +200,13 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         finally:
             forward_s[0] += time.perf_counter() - t0
 
+    def forget_warm_up() -> None:
+        gaps.clear()
+        engine_us.clear()
+
     backend.execute = timed_forward  # this instance only, for this bench; removed below
     try:
-        _measure(paths, runs, repeats, device, progress, after_warm_up=lambda: (gaps.clear(), engine_us.clear()))
+        _measure(paths, runs, repeats, device, progress, after_warm_up=forget_warm_up)
     finally:
         del backend.execute
     medians = {name: statistics.median(v) for name, v in runs.items()}

@@ -18,12 +18,14 @@ import time
 from contextlib import ExitStack
 from typing import Any, Callable, Sequence
 
+from engine.config.sections import GraphDecode
+
 __all__ = ["run_decode_modes_bench", "format_decode_modes", "DECODE_MODES"]
 
-DECODE_MODES = ("off", "static", "compile")
+DECODE_MODES: tuple[GraphDecode, ...] = ("off", "static", "compile")
 
 
-def run_decode_modes_bench(config: Any, *, modes: Sequence[str] = DECODE_MODES, concurrency: int = 8,
+def run_decode_modes_bench(config: Any, *, modes: Sequence[GraphDecode] = DECODE_MODES, concurrency: int = 8,
                            new_tokens: int = 64, repeats: int = 3,
                            progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """``config``: a path or a :class:`~engine.config.RaylensConfig`; each mode overrides only

@@ -90,8 +90,9 @@ def run_long_prompt_bench(config_path: Any, *, prompt_tokens: int = 6000, stream
     for budget in budgets:
         step_tokens = budget if budget is not None else prompt_tokens + 64 * streams
         # no prefix cache: the streams share one prompt, and a hit would change what a step feeds
-        overrides = {"backend": {"max_batch": streams + 1, "max_step_tokens": step_tokens, "prefix_caching": False},
-                     "activations": {"enabled": False}, "sae": {"enabled": False}}
+        overrides: dict[str, dict[str, Any]] = {
+            "backend": {"max_batch": streams + 1, "max_step_tokens": step_tokens, "prefix_caching": False},
+            "activations": {"enabled": False}, "sae": {"enabled": False}}
         with Engine.from_config(config_path, overrides=overrides) as engine:
             engine.generate(STREAM_PROMPT, max_tokens=2, temperature=0.0)  # warm-up
             progress(f"step token budget {step_tokens} ({'chunked' if budget else 'one step'})…")

@@ -170,8 +170,9 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
             fn()
             progress(f"warm-up {name}: {time.perf_counter() - started:.1f} s")
         workload = {"model_dir": str(model_dir), "max_tokens": new_tokens, "repeats": 1,
-                    "lens_layer": backend.layer, "workloads": {str(n): inputs[n] for n in concurrency}}
-        peer: dict[str, dict[str, list[float]]] = {}
+                    "lens_layer": backend.layer,  # type: ignore[attr-defined]  # the HF backend's checked layer
+                    "workloads": {str(n): inputs[n] for n in concurrency}}
+        peer: dict[str, list[float]] = {}
         versions: dict[str, Any] = {}
         with tempfile.TemporaryDirectory(prefix="raylens-vllm-peer-") as scratch:
             for r in range(repeats + (1 if vllm_python else 0)):
@@ -198,8 +199,9 @@ def run_peers_bench(config: Any, *, concurrency: list[int], new_tokens: int = 64
     runs.update(peer)
     rows = []
     for name, values in runs.items():
-        path, n = name.split("|")
-        rows.append({"path": path, "concurrency": int(n), "tokens_per_s": statistics.median(values), "runs": values})
+        path, count = name.split("|")
+        rows.append({"path": path, "concurrency": int(count), "tokens_per_s": statistics.median(values),
+                     "runs": values})
     machine["load_average_1_5_15"] = {"before": load_before, "after": os.getloadavg()}
     return {"model": model_id, "new_tokens": new_tokens, "repeats": repeats, "machine": machine,
             "capture": f"hidden states and attention at layer {cfg.backend.hidden_state_layer}", "rows": rows}

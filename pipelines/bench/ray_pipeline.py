@@ -31,7 +31,8 @@ def run_ray_bench(engine: Any, *, new_tokens: int = 64, progress: Callable[[str]
     from pipelines.cluster.topology import build_topology
     from pipelines.jobs.generate import PromptLine, run
 
-    requests = [{"prompt": p, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True} for p in RAY_PROMPTS]
+    requests: list[dict[str, Any]] = [{"prompt": p, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+                                      for p in RAY_PROMPTS]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = engine.config
         cfg = dataclasses.replace(

@@ -45,7 +45,9 @@ def run_sae_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3, sae_i
             cfg, activations=dataclasses.replace(cfg.activations, enabled=True, db_path=f"{tmp}/bench.duckdb"),
             sae=sae_cfg), backend=backend)
         try:
-            encoder = sae_engine.recorder.encoder
+            recorder, store = sae_engine.recorder, sae_engine.store
+            assert recorder is not None and recorder.encoder is not None and store is not None  # enabled above
+            encoder = recorder.encoder
             block = torch.randn(4096, backend.info.hidden_size, device=backend.device)
             encoder.encode_topk(block)  # warm-up
             encode_rates = []
@@ -76,7 +78,7 @@ def run_sae_bench(engine: Any, *, new_tokens: int = 128, repeats: int = 3, sae_i
                     runs[name].append(len(result.output_ids) / (time.perf_counter() - started))
                     progress(f"repeat {r + 1}/{repeats}  {name:<40} {runs[name][-1]:8.1f} tok/s")
             sae_engine.flush()
-            stored = sae_engine.store.counts()["activations"]
+            stored = store.counts()["activations"]
         finally:
             sae_engine.close()
     off = statistics.median(runs["engine default, SAE off"])

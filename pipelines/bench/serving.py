@@ -33,7 +33,8 @@ def run_serve_bench(engine: Any, *, new_tokens: int = 32, streams: Sequence[int]
     base = {"type": "generate", "input_ids": ids, "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
 
     async def one(url: str, extra: dict[str, Any]) -> tuple[list[float], int, int]:
-        gaps, size, tokens = [], 0, 0
+        gaps: list[float] = []
+        size = tokens = 0
         async with websockets.connect(url, max_size=None) as ws:
             await ws.send(json.dumps({**base, **extra}))
             last = time.perf_counter()
@@ -49,7 +50,7 @@ def run_serve_bench(engine: Any, *, new_tokens: int = 32, streams: Sequence[int]
                 gaps.append((now - last) * 1000.0)
                 last, tokens = now, tokens + 1
 
-    encodings = {"attention off": {}, "per_layer float32 base64": {"return_attention": True},
+    encodings: dict[str, dict[str, Any]] = {"attention off": {}, "per_layer float32 base64": {"return_attention": True},
                  "per_layer float16 gzip": {"return_attention": True, "attention_dtype": "float16",
                                             "attention_compression": "gzip"},
                  "per_layer float32 binary frames": {"return_attention": True, "binary": True},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from .arguments import _add_source, _read_json, _source
 
@@ -50,9 +51,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt=args.prompt, messages=messages, input_ids=input_ids, tools=tools, response_format=response_format,
         mods=tuple(mods), max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, request_id=args.request_id)
-    overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}} if args.sae or args.sae_inline else None
-    if args.sae_inline:
-        overrides["sae"]["mode"] = "inline"  # type: ignore[index]
+    overrides: dict[str, dict[str, Any]] | None = None
+    if args.sae or args.sae_inline:
+        overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}}
+        if args.sae_inline:
+            overrides["sae"]["mode"] = "inline"
     print("raylens: loading model…", file=sys.stderr, flush=True)
     with Engine.from_config(args.config, overrides=overrides) as engine:
         result = engine.generate(request)

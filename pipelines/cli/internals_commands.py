@@ -110,9 +110,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         labels = {"ok": "ok", "mismatch": "MISMATCH", "shape": "SHAPE", "only_a": f"only in {args.a}",
                   "only_b": f"only in {args.b}"}
         for d in diffs:
-            shape = "x".join(map(str, d.shape_a if d.shape_a is not None else d.shape_b))
+            shape = "x".join(map(str, d.shape_a if d.shape_a is not None else d.shape_b or ()))
             if d.status == "shape":
-                shape = f"{'x'.join(map(str, d.shape_a))} vs {'x'.join(map(str, d.shape_b))}"
+                shape = f"{'x'.join(map(str, d.shape_a or ()))} vs {'x'.join(map(str, d.shape_b or ()))}"
             numbers = (f"  max|a-b| {d.max_abs:.3g}  out of tolerance {d.bad_fraction:.2%}"
                        if d.max_abs is not None else "")
             print(f"{labels[d.status]:<10} {d.name}  {shape}{numbers}" + (f"  ({d.detail})" if d.detail else ""))

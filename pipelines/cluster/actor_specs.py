@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -190,7 +190,7 @@ def check_capacity(specs: Sequence[ActorSpec], nodes: Sequence[Mapping[str, floa
         wanted = sum(s.resources.get(res, 0.0) for s in specs)
         offered = sum(float(n.get(res, 0.0)) for n in nodes)
         if wanted > offered + 1e-9:
-            parts: Counter[str] = Counter()
+            parts: defaultdict[str, float] = defaultdict(float)  # each setting's share, in the specs' order
             for s in specs:
                 if res in s.resources:
                     parts[s.keys[res]] += s.resources[res]

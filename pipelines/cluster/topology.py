@@ -156,9 +156,9 @@ def _await_started(handles: Mapping[str, Any], specs: Mapping[str, ActorSpec], t
     for ref in [*pending, *(r for r in ready if refs[r] in failed)]:
         ray.kill(handles[refs[ref]], no_restart=True)  # detached: a dead or unplaced one would outlive the job
     if failed:
-        name, err = next(iter(failed.items()))
-        raise ActorStartError(f"actor {name} failed to start: {_last_error_line(err)} (its log has the traceback; "
-                              "`ray logs actor --id <actor id>`)") from err
+        name, error = next(iter(failed.items()))
+        raise ActorStartError(f"actor {name} failed to start: {_last_error_line(error)} (its log has the traceback; "
+                              "`ray logs actor --id <actor id>`)") from error
     if pending:
         waiting = ", ".join(f"{refs[ref]} ({_describe(specs[refs[ref]].resources)})" for ref in pending)
         raise ClusterCapacityError(

@@ -136,8 +136,8 @@ def run(config: Any, texts: Sequence[str], *, layer: int | None = None, pool: st
         raise InvalidRequestError(f"`chunk_size` must be an int >= 1, got {chunk_size!r}", parameter="chunk_size",
                                   value=chunk_size)
     timeout = config.ray.call_timeout_s
-    actor = EmbedActor.options(num_cpus=config.ray.generator_num_cpus,
-                               num_gpus=config.ray.generator_num_gpus).remote(config.to_dict())
+    actor = EmbedActor.options(  # type: ignore[attr-defined]  # a Ray actor class
+        num_cpus=config.ray.generator_num_cpus, num_gpus=config.ray.generator_num_gpus).remote(config.to_dict())
     try:
         info = ray.get(actor.info.remote(), timeout=config.ray.actor_start_timeout_s)
         if layer is not None:  # fail before any chunk runs, with the model's range

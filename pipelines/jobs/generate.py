@@ -104,9 +104,16 @@ class _Flight:
     which attempt."""
 
     item: PromptLine
-    given_id: str
+    given_id: str | None  # the id its line gave (None: none given)
     replica: str = ""
     attempt: int = 0
+
+    @property
+    def request_id(self) -> str:
+        """The id it runs under, claimed for it before the run."""
+        rid = self.item.request.request_id
+        assert rid is not None  # internal invariant: every line's id is claimed before it is dispatched
+        return rid
 
 
 @dataclass
@@ -145,8 +152,8 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
 
     def dispatch(flight: _Flight) -> None:
         request = flight.item.request
-        route = routes.setdefault(request.request_id, RouteRequest(request.request_id,
-                                                                   keys(request) if keys is not None else ()))
+        route = routes.setdefault(flight.request_id, RouteRequest(flight.request_id,
+                                                                  keys(request) if keys is not None else ()))
         candidates = replicas.candidates(route)
         if not candidates:  # every replica down: wait (bounded) for one to come back
             candidates = _await_a_replica(replicas, route, config.ray.actor_start_timeout_s, progress)
@@ -156,7 +163,7 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
         inflight[actor.generate.remote(request)] = flight
 
     def settle(flight: _Flight, lost: bool = False) -> None:
-        route = routes.pop(flight.item.request.request_id, None)
+        route = routes.pop(flight.request_id, None)
         if route is not None:
             replicas.finished(route, flight.replica, lost=lost)
 
@@ -197,7 +204,7 @@ def run(config: Any, lines: Sequence[PromptLine], out: Path, *, progress=print) 
                         retry = _after_generator_death(topo, flight, err, run_id, timeout, progress)
                         if retry is not None:
                             replicas.rerun()
-                            tally.ids.append(retry.item.request.request_id)
+                            tally.ids.append(retry.request_id)
                             dispatch(retry)
                             continue
                         result = {"request_id": rid, "finish_reason": "error",

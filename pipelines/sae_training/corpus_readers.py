@@ -52,7 +52,8 @@ class _R:
     def __init__(self, data: bytes) -> None:
         if data[:2] != b"X\n":
             raise CorpusSourceError("not an XDR-serialised R object")
-        self.data, self.pos, self.refs = data, 2, []
+        self.data, self.pos = data, 2
+        self.refs: list[Any] = []
         version = self._int()
         self._int(), self._int()
         if version == 3:
@@ -72,16 +73,16 @@ class _R:
         if kind == 255:
             return self.refs[(flags >> 8) - 1]
         if kind == 1:  # symbol
-            value = self.read()
-            self.refs.append(value)
-            return value
+            symbol = self.read()
+            self.refs.append(symbol)
+            return symbol
         if kind == 9:  # CHARSXP
             n = self._int()
             if n == -1:
                 return None
-            value = self.data[self.pos:self.pos + n].decode("utf-8", "replace")
+            text = self.data[self.pos:self.pos + n].decode("utf-8", "replace")
             self.pos += n
-            return value
+            return text
         if kind == 2:  # pairlist
             if has_attr:
                 self.read()

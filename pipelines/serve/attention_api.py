@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Any, AsyncGenerator, Callable, Literal
 
 from fastapi import APIRouter, Request, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -274,7 +274,7 @@ _FINISH = {"stop": "stop_token", "length": "length", "tool_calls": "tool_calls",
 
 async def generation_messages(service: Service, body: GenerateRequest, *,
                               on_start: Callable[[Stream], None] | None = None,
-                              ) -> AsyncIterator[tuple[dict[str, Any], bytes | None]]:
+                              ) -> AsyncGenerator[tuple[dict[str, Any], bytes | None], None]:
     """Token messages (each with the binary attention frame to send after it, if any), then done.
 
     Raises :class:`ApiError` for bad input (before anything is yielded) and for failures after.

@@ -67,6 +67,8 @@ def decode_attention(info: dict[str, Any], binary: bytes | None = None) -> np.nd
     if info.get("encoding") == "json":
         return np.asarray(info["data"], dtype=np.float32).reshape(info["shape"])
     raw = binary if info.get("encoding") == "binary" else base64.b64decode(info["data"])
+    if raw is None:
+        raise ValueError("a binary-encoded attention needs its binary frame (`binary`)")
     if info.get("compression") == "gzip":
         raw = gzip.decompress(raw)
     dtype = np.float16 if info.get("dtype") == "float16" else np.float32

@@ -100,8 +100,8 @@ class _Totals:
                 total = counted if total is None else plus(total, counted)
             if total is None:
                 return None
-            live = [s for s in snapshots.values() if s is not None]
-            usage = sum(s.kv_cache_usage for s in live) / len(live) if live else 0.0
+            reporting = [s for s in snapshots.values() if s is not None]
+            usage = sum(s.kv_cache_usage for s in reporting) / len(reporting) if reporting else 0.0
             return dataclasses.replace(total, kv_cache_usage=usage)
 
 

@@ -129,7 +129,7 @@ def tool_calls(raw: Any) -> list[dict[str, Any]]:
     for call in items:
         if not isinstance(call, dict):
             continue
-        fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+        fn = call["function"] if isinstance(call.get("function"), dict) else {}
         name = fn.get("name") or call.get("name") or ""
         args = fn.get("arguments", call.get("arguments"))
         calls.append({"id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}", "type": call.get("type") or "function",

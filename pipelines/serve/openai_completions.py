@@ -233,7 +233,8 @@ class CompletionCall:
                     streamed = min(streamed, len(text.samples))
                     yield chunk("", None, None, removed=value)
                     continue
-                logprobs, extra = None, {}
+                logprobs = None
+                extra: dict[str, Any] = {}
                 if self.want_logprobs:
                     offset = base + len("".join(text.pieces[:streamed]))
                     logprobs = self._add_samples(LegacyLogprobs(self.service.tokenizer.decode, self.k, offset=offset),

@@ -113,3 +113,7 @@ def test_layer_windows_follow_the_config_and_unknown_layer_types_are_refused():
     odd.layer_types = ["full_attention", "chunked_attention", "full_attention", "full_attention"]
     with pytest.raises(UnsupportedModelError, match="chunked_attention"):
         layer_windows(odd, 4)
+    windowless = _config("llama")  # sliding layers with no window: refused by name, not a TypeError
+    windowless.layer_types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match="no sliding_window"):
+        layer_windows(windowless, 4)

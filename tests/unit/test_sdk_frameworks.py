@@ -68,6 +68,22 @@ def test_self_prompt_erase_none_with_a_suffix():
     assert helper.answer_tokens(result.request_id) == ids("no")
 
 
+def test_self_prompt_refresh_responses_replaces_the_choices_and_drops_the_request_state():
+    spec = ChoicesStrat(["yes", "no"])
+    helper = SelfPrompt(prompt={"text": " Q:"}, strategy=spec)
+    result = run([self_prompt_mod_of(helper)], "no")
+    assert helper.is_complete(result.request_id)
+    helper.refresh_responses(["maybe", 7], request_id=result.request_id)
+    assert spec.choices == ["maybe", "7"]
+    assert not helper.is_complete(result.request_id)  # it recompiles with the new choices on its next event
+    first, second = ChoicesStrat(["a"]), ChoicesStrat(["b"])
+    SelfPrompt(strategy=ListStrat([first, second])).refresh_responses(["c"], idx=1)
+    assert (first.choices, second.choices) == (["a"], ["c"])
+    repeated = ChoicesStrat(["a"])  # a list of one repeated element: the element at every index
+    SelfPrompt(strategy=ListStrat(repeated)).refresh_responses(["d"], idx=2)
+    assert repeated.choices == ["d"]
+
+
 def test_self_prompt_erase_prompt_keeps_only_the_answer():
     helper = SelfPrompt(prompt={"text": " Q:"}, strategy=ChoicesStrat(["yes", "no"]), erase=EraseMode.PROMPT)
     result = run([self_prompt_mod_of(helper)], "no")

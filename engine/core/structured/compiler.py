@@ -181,7 +181,7 @@ class _TokenTable:
     (a slow or a test tokenizer): each id's text as bytes; ids that decode to nothing with
     ``skip_special_tokens`` are special."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: int | None) -> None:
         self.eos_token_id, self.bos_token_id = eos, getattr(tokenizer, "bos_token_id", None)
         self.tokens = [tokenizer.decode([i]).encode("utf-8") for i in range(vocab_size)]
         self.special_token_ids = [i for i in range(vocab_size) if not tokenizer.decode([i], skip_special_tokens=True)]
@@ -191,7 +191,7 @@ class _TokenTable:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
-def _llg_tokenizer(tokenizer: Any, vocab_size: int, eos: int) -> Any:
+def _llg_tokenizer(tokenizer: Any, vocab_size: int, eos: int | None) -> Any:
     """llguidance's view of ``tokenizer``: from its fast (Rust) tokenizer when it has one."""
     import llguidance
     import llguidance.hf
