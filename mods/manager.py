@@ -323,7 +323,7 @@ class CallRunner:
                     raise
                 if stuck is None:
                     return
-                calls[stuck].stack = _stack_of(worker.thread)  # type: ignore[attr-defined]
+                calls[stuck].stack = _stack_of(worker.thread)
                 self._abandon(worker, calls[stuck].name)
                 calls = calls[stuck + 1:]  # those after it on its event find it without an outcome: skipped
 

@@ -152,7 +152,7 @@ class HostLogits:
         are applied after all of its mod calls returned, so no row changes after that."""
         with self._lock:
             if self._maxima is None:
-                values, indices = row_max(torch.from_numpy(self._host))  # type: ignore[arg-type]  # (M,)
+                values, indices = row_max(torch.from_numpy(self._host))  # (M,)
                 self._maxima = (values.tolist(), indices.tolist())
             values, indices = self._maxima
         return values[slot], indices[slot]

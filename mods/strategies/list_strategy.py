@@ -69,7 +69,7 @@ class ListStrategy(Strategy):
     # -- protocol --
 
     def start(self, tokenizer: Any) -> RuntimeState:
-        return _ListState(phase="in_open" if self._open else "await_element")  # type: ignore[return-value]
+        return _ListState(phase="in_open" if self._open else "await_element")
 
     def is_complete(self, state: Any) -> bool:
         return state._complete

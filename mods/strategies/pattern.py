@@ -108,7 +108,7 @@ class FixedPatternStrategy(Strategy):
         return True
 
     def start(self, tokenizer: Any) -> RuntimeState:
-        return _FixedState()  # type: ignore[return-value]
+        return _FixedState()
 
     def allowed_tokens(self, state: Any, tokenizer: Any) -> AbstractSet[int]:
         if state.done or state.pos >= self._length:

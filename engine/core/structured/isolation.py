@@ -148,7 +148,7 @@ class CompilePool:
         if old is not None:
             old.stop()
         with self._lock:
-            self._live.discard(old)  # type: ignore[arg-type]
+            self._live.discard(old)
         worker = _Worker(self.setup)
         with self._lock:
             self._live.add(worker)
