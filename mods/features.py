@@ -85,12 +85,13 @@ def backtrack_when(feature_id: int, threshold: float, *, n: int = 1, max_times: 
         if not isinstance(event, ForwardPass):
             return None
         mine = state.setdefault(event.request_id, {"banned": set(), "times": 0, "prompt": None})
+        ids = event.input_ids or []
         if mine["prompt"] is None:
-            mine["prompt"] = len(event.input_ids or ())
-        generated = len(event.input_ids or ()) - mine["prompt"]
+            mine["prompt"] = len(ids)
+        generated = len(ids) - mine["prompt"]
         if generated > 0 and mine["times"] < max_times and feature_fires(event, feature_id, threshold):
             mine["times"] += 1
-            mine["banned"].add(int(event.input_ids[-1]))  # the token whose reading fired the feature
+            mine["banned"].add(int(ids[-1]))  # the token whose reading fired the feature
             return actions.backtrack(steps=min(n, generated))
         if mine["banned"]:
             return _masked(event, mine["banned"], actions)
