@@ -9,7 +9,7 @@ not one per call). A fault in one request's part of a step ends that request alo
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence, TypeVar, TypeVarTuple, Unpack
 
 from engine.errors import GrammarError
 from mods.manager import CallRunner, ModCall, dispatch_batch
@@ -23,6 +23,7 @@ __all__ = ["Phase", "drive", "run_guarded"]
 log = logging.getLogger("raylens.step_loop")
 
 T = TypeVar("T")
+Args = TypeVarTuple("Args")
 Phase = Generator[ModEvent, list[ModCall], T]  # yields events for mods, is sent their calls, returns T
 
 
@@ -56,10 +57,11 @@ def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRun
     return results
 
 
-def run_guarded(machine: "RequestMachine", fn: Callable[[], T]) -> T | None:
-    """Run one request's part of a step; a fault ends that request alone (None is returned)."""
+def run_guarded(machine: "RequestMachine", fn: Callable[[Unpack[Args]], T], *args: Unpack[Args]) -> T | None:
+    """Run ``fn(*args)``, one request's part of a step; a fault ends that request alone (None is
+    returned)."""
     try:
-        return fn()
+        return fn(*args)
     except Exception as err:
         _fault(machine, err)
         return None

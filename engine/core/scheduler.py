@@ -32,7 +32,6 @@ What the scheduler reads of a request is its machine's small scheduling interfac
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -196,21 +195,21 @@ class Scheduler:
         plan = self._budget(live)
         while fresh := [live[i] for i, _ in plan if not live[i].prefix_checked]:
             for entry in fresh:  # reused prefixes shrink what these need: plan the budget again
-                run_guarded(entry.machine, functools.partial(self._reuse_prefix, entry))
+                run_guarded(entry.machine, self._reuse_prefix, entry)
             plan = self._budget(live)
         entries, rows, starved = [], [], []
         kv = self.kv
         for i, allowance in plan:
             entry = live[i]
             machine = entry.machine
-            feed = run_guarded(machine, functools.partial(machine.next_feed, allowance))
+            feed = run_guarded(machine, machine.next_feed, allowance)
             if feed is None:
                 continue
             start, tokens = feed
             if not kv.reserve(machine.request_id, start + len(tokens)):
                 starved.append(entry)  # outgrew its reservation: waits for blocks to free
                 continue
-            table = run_guarded(machine, functools.partial(kv.prepare, machine.request_id, start, len(tokens)))
+            table = run_guarded(machine, kv.prepare, machine.request_id, start, len(tokens))
             if table is None:
                 continue
             entries.append(entry)
@@ -246,7 +245,7 @@ class Scheduler:
                 machine.fail(f"the forward pass failed: {type(out).__name__}: {out}")
                 continue
             kv.record(row.request_id, row.start, row.tokens, out.captured, row.steer is not None)
-            if run_guarded(machine, functools.partial(machine.on_forward, row, out, forward_ms)) is False:
+            if run_guarded(machine, machine.on_forward, row, out, forward_ms) is False:
                 stats.prefill_chunks += 1
             stats.tokens_fed += len(row.tokens)
 

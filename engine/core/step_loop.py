@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -303,14 +302,14 @@ class StepLoop:
         ready = [e for e in self.scheduler.running if e.machine.ready]
         fast = [e for e in ready if e.machine.fast]  # nobody watches them step by step
         watched = [e for e in ready if not e.machine.fast]
-        rows = [run_guarded(e.machine, functools.partial(e.machine.fast_step, now)) for e in fast]
+        rows = [run_guarded(e.machine, e.machine.fast_step, now) for e in fast]
         rows += drive([(e.machine, e.machine.step()) for e in watched], self.mod_calls)
         sampling = [(e, row) for e, row in zip(fast + watched, rows) if row is not None and not e.machine.finished]
         samples = self._sample(sampling)
         self._sampled_at = time.perf_counter() if sampling else None
         split = sum(1 for e, _ in sampling if e.machine.fast)  # the fast ones come first
         for (entry, _), sample in zip(sampling[:split], samples[:split]):
-            if run_guarded(entry.machine, functools.partial(entry.machine.fast_sample, sample, now)):
+            if run_guarded(entry.machine, entry.machine.fast_sample, sample, now):
                 self._held.append(entry)
         held = drive([(e.machine, e.machine.on_sample(s)) for (e, _), s in zip(sampling[split:], samples[split:])],
                      self.mod_calls)

@@ -138,13 +138,11 @@ class HostLogits:
         if lent is not None and lent[0] is array:
             return lent[1]
         host = self._host
-        if host is None or array.size != host.shape[1]:
+        if array.base is not host or host is None or array.size != host.shape[1]:
             return None
-        row_bytes = host.shape[1] * host.itemsize
         offset = array.ctypes.data - host.ctypes.data
-        if array.base is not host or offset % row_bytes or not array.flags.c_contiguous:
-            return None
-        return offset // row_bytes
+        row_bytes = host.shape[1] * host.itemsize
+        return offset // row_bytes if offset % row_bytes == 0 and array.flags.c_contiguous else None
 
     def row_max(self, slot: int) -> tuple[float, int]:
         """``(maximum, its first index)`` of lent row ``slot`` as its mod left it. Every row at once,
