@@ -11,7 +11,9 @@ replicas away one by one, each drained first:
    ``ray.call_timeout_s`` — past that the replica is left running and draining, and the command
    says so, rather than cut requests off;
 3. ``drain()``: its SAE blocks and store/ingest calls settle;
-4. the actor is ended (``no_restart``). Routers find the replica gone at their next look.
+4. the actor is ended (``no_restart``), and the command waits (at most ``ray.call_timeout_s``)
+   until Ray no longer lists its name: ``ray.kill`` only asks for the end, and the replica set the
+   command reports (and the routers see at their next look) must not still hold it.
 """
 
 from __future__ import annotations
@@ -81,4 +83,15 @@ def _drain_and_end(config: RaylensConfig, name: str) -> bool:
         time.sleep(0.2)
     ray.get(actor.drain.remote(), timeout=timeout * 4)
     ray.kill(actor, no_restart=True)
+    _wait_unlisted(config, name, timeout)
     return True
+
+
+def _wait_unlisted(config: RaylensConfig, name: str, timeout: float) -> None:
+    """Wait until Ray's named-actor list no longer holds ``name`` (the kill is asynchronous).
+
+    Past ``timeout`` the wait ends quietly: the report then lists the replica as still running,
+    which is what Ray says."""
+    deadline = time.monotonic() + timeout
+    while name in running_replicas(config).values() and time.monotonic() < deadline:
+        time.sleep(0.1)

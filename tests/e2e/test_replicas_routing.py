@@ -343,5 +343,8 @@ def test_raylens_scale_adds_and_removes_replicas_without_dropping_a_request(ray_
         wait_until(replica_set_matches, timeout=60, what="the server's replica set to drop the removed replica")
     finally:
         stop.set()
+        for w in workers:  # a failed check must not leave threads calling Ray into the next test
+            if w.ident is not None:
+                w.join(300)
         engine.replicas.close()
         _end_namespace(config.ray.namespace)

@@ -1,0 +1,108 @@
+"""``raylens scale`` reports the replica set Ray has after the change, not one a kill has yet to reach.
+
+``ray.kill`` only asks the cluster to end an actor; on a busy head its name stays listed for a
+moment. The e2e test (tests/e2e/test_replicas_routing.py) runs the real thing; this one pins the
+order of the steps with a stand-in for the few Ray calls a scale-down makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from tests.helpers import build_config
+
+
+class _Method:
+    def __init__(self, actor: "_Replica", name: str) -> None:
+        self.actor, self.name = actor, name
+
+    def remote(self) -> tuple[str, "_Replica"]:
+        return self.name, self.actor
+
+
+class _Replica:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.in_flight = 2  # finishes one request per look
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self, name)
+
+
+class _FakeRay:
+    """The named-actor table, with a kill that takes ``listed_after_kill`` more looks to show."""
+
+    def __init__(self, names: list[str], listed_after_kill: int) -> None:
+        self.alive = {name: _Replica() for name in names}
+        self.dying: dict[str, int] = {}
+        self.listed_after_kill = listed_after_kill
+        self.util = self
+
+    def list_named_actors(self, all_namespaces: bool = False) -> list[dict[str, str]]:
+        for name in list(self.dying):
+            self.dying[name] -= 1
+            if self.dying[name] < 0:
+                del self.dying[name], self.alive[name]
+        return [{"name": name, "namespace": "raylens"} for name in self.alive]
+
+    def get_actor(self, name: str, namespace: str) -> _Replica:
+        return self.alive[name]
+
+    def get(self, call: tuple[str, _Replica], timeout: float) -> Any:
+        method, actor = call
+        actor.calls.append(method)
+        if method == "stats":
+            actor.in_flight = max(0, actor.in_flight - 1)
+            return {"in_flight": actor.in_flight}
+        return None
+
+    def kill(self, actor: _Replica, no_restart: bool) -> None:
+        assert no_restart
+        name = next(n for n, a in self.alive.items() if a is actor)
+        self.dying[name] = self.listed_after_kill
+
+
+@pytest.fixture
+def config():
+    cfg = build_config()
+    return dataclasses.replace(cfg, ray=dataclasses.replace(cfg.ray, namespace="raylens", call_timeout_s=5.0))
+
+
+def test_scale_down_drains_then_ends_and_reports_the_replica_gone_once_ray_no_longer_lists_it(config, monkeypatch):
+    from pipelines.cluster import scaling
+    from pipelines.cluster.actor_specs import generator_prefix
+
+    prefix = generator_prefix(config)
+    fake = _FakeRay([f"{prefix}0", f"{prefix}1", f"{prefix}2"], listed_after_kill=3)
+    removed = [fake.alive[f"{prefix}1"], fake.alive[f"{prefix}2"]]
+    monkeypatch.setattr(scaling, "ray", fake)
+    monkeypatch.setattr(scaling.time, "sleep", lambda _: None)
+
+    report = scaling.scale(config, 1)
+
+    assert report == {"replicas": [0], "added": [], "removed": [2, 1], "still_draining": []}
+    for replica in removed:  # refuses new requests, waits for its running ones, settles; then it is ended
+        assert replica.calls == ["start_draining", "stats", "stats", "drain"]
+    assert list(fake.alive) == [f"{prefix}0"] and fake.alive[f"{prefix}0"].calls == []
+
+
+def test_a_replica_still_running_requests_at_the_deadline_is_left_draining_not_cut_off(config, monkeypatch):
+    from pipelines.cluster import scaling
+    from pipelines.cluster.actor_specs import generator_prefix
+
+    prefix = generator_prefix(config)
+    fake = _FakeRay([f"{prefix}0", f"{prefix}1"], listed_after_kill=0)
+    busy = fake.alive[f"{prefix}1"]
+    busy.in_flight = 10**9
+    clock = iter(range(0, 10**6, 1))
+    monkeypatch.setattr(scaling, "ray", fake)
+    monkeypatch.setattr(scaling.time, "sleep", lambda _: None)
+    monkeypatch.setattr(scaling.time, "monotonic", lambda: float(next(clock)))
+
+    report = scaling.scale(config, 1)
+
+    assert report == {"replicas": [0, 1], "added": [], "removed": [], "still_draining": [1]}
+    assert busy.calls[0] == "start_draining" and "drain" not in busy.calls
