@@ -40,6 +40,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _run_policy(config: Any, conversations: list[Any], systems: list[str], *, turns: int, concurrency: int,
                 max_tokens: int) -> dict[str, Any]:
     from engine.core.inputs import GenerationRequest
+    from pipelines.cluster.ending import end_named_actors, listed_names
     from pipelines.serve.remote_engine import RemoteEngine
 
     engine = RemoteEngine.connect(config)
@@ -86,7 +87,9 @@ def _run_policy(config: Any, conversations: list[Any], systems: list[str], *, tu
         stats = engine.router_stats()
     finally:
         engine.replicas.close()
-        _end_namespace(config.ray.namespace)
+        # the next run's replicas start on a cluster these no longer hold
+        end_named_actors(config.ray.namespace, sorted(listed_names(config.ray.namespace)),
+                         timeout_s=config.ray.call_timeout_s)
     hits = sum(after[k].prefix_cache_hits - before[k].prefix_cache_hits for k in after)
     prompt = sum(after[k].prefix_cache_queries - before[k].prefix_cache_queries for k in after)
     reasons: dict[str, int] = {}
@@ -96,17 +99,6 @@ def _run_policy(config: Any, conversations: list[Any], systems: list[str], *, tu
             "hit_share": round(hits / prompt, 4) if prompt else 0.0, "seconds": round(seconds, 2),
             "ttft_p50_s": round(_percentile(ttfts, 0.5), 4), "ttft_p90_s": round(_percentile(ttfts, 0.9), 4),
             "ttft_mean_s": round(statistics.fmean(ttfts), 4) if ttfts else 0.0, "decisions": reasons}
-
-
-def _end_namespace(namespace: str) -> None:
-    import ray
-
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] == namespace:
-            try:
-                ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
-            except ValueError:
-                pass
 
 
 def run_routing_bench(config: Any, *, replicas: int = 2, systems: int = 4, chats_per_system: int = 4,

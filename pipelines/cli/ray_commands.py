@@ -116,12 +116,10 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _raylens_actors(namespace: str) -> list[str]:
-    import ray
-
     from pipelines.cluster.actor_specs import RAYLENS_PREFIX
+    from pipelines.cluster.ending import listed_names
 
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == namespace and a["name"].startswith(RAYLENS_PREFIX))
+    return sorted(n for n in listed_names(namespace) if n.startswith(RAYLENS_PREFIX))
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -167,22 +165,23 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     prepare_ray_env(config.ray.connect_timeout_s, args.address or config.ray.address)
-    import ray
-
     from pipelines.cluster.actor_specs import actor_names, generator_prefix
     from pipelines.cluster.connection import connect
+    from pipelines.cluster.ending import end_named_actors
 
     connect(config, args.address)
     running = set(_raylens_actors(config.ray.namespace))
     # the config's generator replicas, however many `raylens scale` left running
     ours = set(actor_names(config)) | {n for n in running if n.startswith(generator_prefix(config))}
     names = sorted(running) if args.all else sorted(n for n in ours if n in running)
-    for name in names:
-        try:
-            ray.kill(ray.get_actor(name, namespace=config.ray.namespace), no_restart=True)
-        except ValueError:
-            pass  # ended meanwhile
-    print(json.dumps({"namespace": config.ray.namespace, "stopped": names}))
+    # waited for: a job started right after must not find one of them still listed, and get it
+    left = end_named_actors(config.ray.namespace, names, timeout_s=config.ray.call_timeout_s)
+    print(json.dumps({"namespace": config.ray.namespace, "stopped": [n for n in names if n not in left],
+                      "still_listed": left}))
+    if left:
+        print(f"raylens: Ray still lists {left} {config.ray.call_timeout_s:g} s (ray.call_timeout_s) after they were "
+              "killed; check the cluster with `ray list actors` and run `raylens stop` again", file=sys.stderr)
+        return 1
     return 0
 
 

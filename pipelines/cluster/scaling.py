@@ -12,8 +12,8 @@ replicas away one by one, each drained first:
    says so, rather than cut requests off;
 3. ``drain()``: its SAE blocks and store/ingest calls settle;
 4. the actor is ended (``no_restart``), and the command waits (at most ``ray.call_timeout_s``)
-   until Ray no longer lists its name: ``ray.kill`` only asks for the end, and the replica set the
-   command reports (and the routers see at their next look) must not still hold it.
+   until Ray no longer lists its name (:func:`~pipelines.cluster.ending.end_named_actors`): the
+   replica set it reports, and the routers see at their next look, no longer holds it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import ray
 from engine.config import RaylensConfig
 from engine.errors import ConfigError
 
-from .actor_specs import generator_prefix, replica_index
+from .actor_specs import replica_index
+from .ending import end_named_actors, listed_names
 from .topology import build_topology
 
 __all__ = ["scale", "running_replicas"]
@@ -35,13 +36,11 @@ __all__ = ["scale", "running_replicas"]
 
 def running_replicas(config: RaylensConfig) -> dict[int, str]:
     """Replica index -> actor name, for the config's generator replicas alive now."""
-    namespace, prefix = config.ray.namespace, generator_prefix(config)
     found = {}
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] == namespace and entry["name"].startswith(prefix):
-            index = replica_index(config, entry["name"])
-            if index is not None:
-                found[index] = entry["name"]
+    for name in listed_names(config.ray.namespace):
+        index = replica_index(config, name)
+        if index is not None:
+            found[index] = name
     return dict(sorted(found.items()))
 
 
@@ -82,16 +81,6 @@ def _drain_and_end(config: RaylensConfig, name: str) -> bool:
             return False
         time.sleep(0.2)
     ray.get(actor.drain.remote(), timeout=timeout * 4)
-    ray.kill(actor, no_restart=True)
-    _wait_unlisted(config, name, timeout)
+    # past the deadline the report lists the replica as still running, which is what Ray says
+    end_named_actors(config.ray.namespace, [name], timeout_s=timeout)
     return True
-
-
-def _wait_unlisted(config: RaylensConfig, name: str, timeout: float) -> None:
-    """Wait until Ray's named-actor list no longer holds ``name`` (the kill is asynchronous).
-
-    Past ``timeout`` the wait ends quietly: the report then lists the replica as still running,
-    which is what Ray says."""
-    deadline = time.monotonic() + timeout
-    while name in running_replicas(config).values() and time.monotonic() < deadline:
-        time.sleep(0.1)

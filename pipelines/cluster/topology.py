@@ -29,6 +29,7 @@ from engine.errors import ActorConfigConflictError, ActorStartError, ClusterCapa
 from .actor_specs import (GENERATOR, INGEST, SAE_WORKER, STORE, ActorSpec, _canonical, actor_specs, check_capacity,
                           runs_sae_workers)
 from .connection import _last_error_line
+from .ending import end_named_actors
 
 __all__ = ["Topology", "build_topology"]
 
@@ -66,7 +67,11 @@ def _get_or_create(cls: Any, name: str, config: RaylensConfig, options: dict[str
             log.warning("actor %s runs other code; replacing it", name)
         except (RayActorError, GetTimeoutError):
             log.warning("actor %s does not answer; replacing it", name)
-        ray.kill(handle, no_restart=True)
+        # waited for: while Ray still lists the name, get-or-create would hand back the old actor
+        if end_named_actors(namespace, [name], timeout_s=config.ray.call_timeout_s):
+            raise ActorStartError(f"actor {name} was killed to be replaced but Ray still lists it after "
+                                  f"{config.ray.call_timeout_s:g} s (ray.call_timeout_s); check the cluster with "
+                                  "`ray list actors` and run the job again")
     return cls.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
                        **options).remote(*args)
 

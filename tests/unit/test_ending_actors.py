@@ -1,8 +1,9 @@
-"""``raylens scale`` reports the replica set Ray has after the change, not one a kill has yet to reach.
+"""Whoever ends named actors (``raylens scale``, ``raylens stop``, get-or-create replacing an actor
+that runs other code) goes on only once Ray no longer lists them.
 
 ``ray.kill`` only asks the cluster to end an actor; on a busy head its name stays listed for a
-moment. The e2e test (tests/e2e/test_replicas_routing.py) runs the real thing; this one pins the
-order of the steps with a stand-in for the few Ray calls a scale-down makes.
+moment. The e2e tests (tests/e2e/test_replicas_routing.py, test_jobs_and_replicas.py) run the real
+thing; these pin the order of the steps with a stand-in for the few Ray calls they make.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class _FakeRay:
         return [{"name": name, "namespace": "raylens"} for name in self.alive]
 
     def get_actor(self, name: str, namespace: str) -> _Replica:
+        if name not in self.alive:
+            raise ValueError(f"no actor {name}")
         return self.alive[name]
 
     def get(self, call: tuple[str, _Replica], timeout: float) -> Any:
@@ -57,6 +60,8 @@ class _FakeRay:
         if method == "stats":
             actor.in_flight = max(0, actor.in_flight - 1)
             return {"in_flight": actor.in_flight}
+        if method == "version":
+            return "code of an older release"
         return None
 
     def kill(self, actor: _Replica, no_restart: bool) -> None:
@@ -72,13 +77,14 @@ def config():
 
 
 def test_scale_down_drains_then_ends_and_reports_the_replica_gone_once_ray_no_longer_lists_it(config, monkeypatch):
-    from pipelines.cluster import scaling
+    from pipelines.cluster import ending, scaling
     from pipelines.cluster.actor_specs import generator_prefix
 
     prefix = generator_prefix(config)
     fake = _FakeRay([f"{prefix}0", f"{prefix}1", f"{prefix}2"], listed_after_kill=3)
     removed = [fake.alive[f"{prefix}1"], fake.alive[f"{prefix}2"]]
     monkeypatch.setattr(scaling, "ray", fake)
+    monkeypatch.setattr(ending, "ray", fake)
     monkeypatch.setattr(scaling.time, "sleep", lambda _: None)
 
     report = scaling.scale(config, 1)
@@ -90,7 +96,7 @@ def test_scale_down_drains_then_ends_and_reports_the_replica_gone_once_ray_no_lo
 
 
 def test_a_replica_still_running_requests_at_the_deadline_is_left_draining_not_cut_off(config, monkeypatch):
-    from pipelines.cluster import scaling
+    from pipelines.cluster import ending, scaling
     from pipelines.cluster.actor_specs import generator_prefix
 
     prefix = generator_prefix(config)
@@ -99,6 +105,7 @@ def test_a_replica_still_running_requests_at_the_deadline_is_left_draining_not_c
     busy.in_flight = 10**9
     clock = iter(range(0, 10**6, 1))
     monkeypatch.setattr(scaling, "ray", fake)
+    monkeypatch.setattr(ending, "ray", fake)
     monkeypatch.setattr(scaling.time, "sleep", lambda _: None)
     monkeypatch.setattr(scaling.time, "monotonic", lambda: float(next(clock)))
 
@@ -106,3 +113,42 @@ def test_a_replica_still_running_requests_at_the_deadline_is_left_draining_not_c
 
     assert report == {"replicas": [0, 1], "added": [], "removed": [], "still_draining": [1]}
     assert busy.calls[0] == "start_draining" and "drain" not in busy.calls
+
+
+def test_ending_actors_returns_the_names_ray_still_lists_at_the_deadline(monkeypatch):
+    """What `raylens stop` reports (and exits 1 on) when a kill has not taken effect in time."""
+    from pipelines.cluster import ending
+
+    fake = _FakeRay(["raylens-store-a", "raylens-ingest-b", "raylens-generator-c-0"], listed_after_kill=10**9)
+    clock = iter(range(0, 10**6, 1))
+    monkeypatch.setattr(ending, "ray", fake)
+    monkeypatch.setattr(ending.time, "sleep", lambda _: None)
+    monkeypatch.setattr(ending.time, "monotonic", lambda: float(next(clock)))
+
+    left = ending.end_named_actors("raylens", ["raylens-store-a", "raylens-gone"], timeout_s=5)
+
+    assert left == ["raylens-store-a"]  # an unknown name was "ended meanwhile"; the other was never asked to end
+    assert "raylens-ingest-b" in ending.listed_names("raylens") and "raylens-ingest-b" not in fake.dying
+    fake.listed_after_kill = 0
+    assert ending.end_named_actors("raylens", ["raylens-ingest-b"], timeout_s=5) == []
+
+
+def test_an_actor_running_other_code_is_replaced_only_once_its_name_is_free(config, monkeypatch):
+    """While Ray still lists the old actor's name, get-or-create would hand the old actor back."""
+    from pipelines.cluster import ending, topology
+
+    fake = _FakeRay(["raylens-store-a"], listed_after_kill=3)
+    old = fake.alive["raylens-store-a"]
+    monkeypatch.setattr(topology, "ray", fake)
+    monkeypatch.setattr(ending, "ray", fake)
+    monkeypatch.setattr(ending.time, "sleep", lambda _: None)
+    created = []
+
+    class Store:
+        @staticmethod
+        def options(**options):
+            created.append((options["name"], options["get_if_exists"], "raylens-store-a" in fake.alive))
+            return type("Created", (), {"remote": staticmethod(lambda *args: "the new actor")})
+
+    assert topology._get_or_create(Store, "raylens-store-a", config, {}) == "the new actor"
+    assert old.calls == ["version"] and created == [("raylens-store-a", True, False)]
