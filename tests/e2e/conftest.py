@@ -125,16 +125,12 @@ def ray_config(tmp_path: Path, *, ingest_url: str | None = None, **ray_overrides
 
 
 def kill_namespace_actors(config) -> None:
-    """Detached actors outlive drivers: remove a test's actors explicitly."""
-    import ray
-
+    """Detached actors outlive drivers: remove a test's actors explicitly, and wait (bounded) until
+    Ray no longer lists them, so the next test starts on a head whose CPUs they no longer hold."""
     from pipelines.cluster.actor_specs import actor_names
+    from pipelines.cluster.ending import end_named_actors
 
-    for name in actor_names(config):
-        try:
-            ray.kill(ray.get_actor(name, namespace=config.ray.namespace), no_restart=True)
-        except ValueError:
-            pass
+    end_named_actors(config.ray.namespace, actor_names(config), timeout_s=60)
 
 
 def wait_until(predicate, *, timeout: float = 120.0, interval: float = 0.2, what: str = "condition"):

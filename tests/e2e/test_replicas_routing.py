@@ -36,17 +36,10 @@ def _config(tmp_path, *, router: str = "affinity", generators: int = 2, pool: in
 
 def _end_namespace(namespace: str) -> None:
     """Every raylens actor of the namespace (scaled replicas included), then wait until they are gone."""
-    import ray
+    from pipelines.cluster.ending import end_named_actors, listed_names
 
-    def names():
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
-
-    for name in names():
-        try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-        except ValueError:
-            pass
-    wait_until(lambda: not names(), timeout=120, what=f"the actors of {namespace} to end")
+    left = end_named_actors(namespace, sorted(listed_names(namespace)), timeout_s=120)
+    assert not left, f"the actors {left} of {namespace} did not end within 120 s"
 
 
 def _remote(config):
