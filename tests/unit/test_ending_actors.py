@@ -152,3 +152,35 @@ def test_an_actor_running_other_code_is_replaced_only_once_its_name_is_free(conf
 
     assert topology._get_or_create(Store, "raylens-store-a", config, {}) == "the new actor"
     assert old.calls == ["version"] and created == [("raylens-store-a", True, False)]
+
+
+def test_raylens_stop_reports_the_actors_ray_still_lists_and_exits_1(config, tmp_path, monkeypatch, capsys):
+    import json
+
+    import yaml
+
+    from pipelines.cli import main, ray_commands
+    from pipelines.cluster import connection, ending
+    from pipelines.cluster.actor_specs import actor_names
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    names = actor_names(config)
+    fake = _FakeRay([*names, "raylens-store-of-another-config"], listed_after_kill=10**9)
+    clock = iter(range(0, 10**6, 1))
+    monkeypatch.setattr(ray_commands, "prepare_ray_env", lambda *_: None)
+    monkeypatch.setattr(connection, "connect", lambda *_: None)
+    monkeypatch.setattr(ending, "ray", fake)
+    monkeypatch.setattr(ending.time, "sleep", lambda _: None)
+    monkeypatch.setattr(ending.time, "monotonic", lambda: float(next(clock)))
+
+    assert main(["stop", "--config", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"namespace": "raylens", "stopped": [], "still_listed": sorted(names)}
+    assert "run `raylens stop` again" in err and "Traceback" not in err
+    assert set(fake.dying) == set(names)  # this config's actors only: the other config's was left alone
+
+    fake.listed_after_kill = 0
+    assert main(["stop", "--config", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["still_listed"] == []
+    assert ending.listed_names("raylens") == {"raylens-store-of-another-config"}
