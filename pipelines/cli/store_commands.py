@@ -188,11 +188,11 @@ def _store_actor_for(cfg: Any, db_path: str) -> Any | None:
     import ray
 
     from pipelines.cluster.actor_specs import STORE, actor_roles
+    from pipelines.cluster.ending import listed_names
 
     namespace = cfg.ray.namespace
     names = [actor_roles(cfg)[STORE]]
-    names += sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a.get("namespace") == namespace and a["name"].startswith(f"{STORE}-") and a["name"] not in names)
+    names += sorted(n for n in listed_names(namespace) if n.startswith(f"{STORE}-") and n not in names)
     for name in names:
         try:
             handle = ray.get_actor(name, namespace=namespace)

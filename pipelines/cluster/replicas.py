@@ -32,6 +32,7 @@ import ray
 from engine.config import RaylensConfig
 
 from .actor_specs import generator_prefix, replica_index
+from .ending import listed_names
 from .router import RouteRequest, Router, RouterStats
 
 __all__ = ["ReplicaSet", "is_lost_actor"]
@@ -81,8 +82,7 @@ class ReplicaSet:
         """The config's replicas running now, by name. A replica that is down is looked up again
         (``fresh``: every one), since a new actor may have taken its name."""
         namespace, prefix = self.config.ray.namespace, generator_prefix(self.config)
-        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == namespace and a["name"].startswith(prefix)}
+        names = {name for name in listed_names(namespace) if name.startswith(prefix)}
         with self._lock:
             down = {name for name, status in self.router.stats().replicas.items() if not status.up}
         found = {}

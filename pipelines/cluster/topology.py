@@ -29,7 +29,7 @@ from engine.errors import ActorConfigConflictError, ActorStartError, ClusterCapa
 from .actor_specs import (GENERATOR, INGEST, SAE_WORKER, STORE, ActorSpec, _canonical, actor_specs, check_capacity,
                           runs_sae_workers)
 from .connection import _last_error_line
-from .ending import end_named_actors
+from .ending import end_named_actors, listed_names
 
 __all__ = ["Topology", "build_topology"]
 
@@ -81,9 +81,8 @@ def _check_store_owner(config: RaylensConfig, name: str) -> None:
     ``activations`` settings already holds this config's store file."""
     namespace = config.ray.namespace
     wanted = str(Path(config.activations.db_path).resolve())
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        other = entry["name"]
-        if entry["namespace"] != namespace or other == name or not other.startswith(f"{STORE}-"):
+    for other in sorted(listed_names(namespace)):
+        if other == name or not other.startswith(f"{STORE}-"):
             continue
         try:
             handle = ray.get_actor(other, namespace=namespace)
