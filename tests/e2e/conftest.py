@@ -133,6 +133,15 @@ def kill_namespace_actors(config) -> None:
     end_named_actors(config.ray.namespace, actor_names(config), timeout_s=60)
 
 
+def end_namespace(namespace: str, *, timeout_s: float = 120.0) -> None:
+    """Every actor of a test's own namespace (scaled replicas included) ended; fails when Ray
+    still lists one after ``timeout_s``."""
+    from pipelines.cluster.ending import end_named_actors, listed_names
+
+    left = end_named_actors(namespace, sorted(listed_names(namespace)), timeout_s=timeout_s)
+    assert not left, f"the actors {left} of {namespace} did not end within {timeout_s:g} s"
+
+
 def wait_until(predicate, *, timeout: float = 120.0, interval: float = 0.2, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -11,7 +11,7 @@ import threading
 import pytest
 import yaml
 
-from tests.e2e.conftest import ray_config
+from tests.e2e.conftest import end_namespace, ray_config
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -56,10 +56,7 @@ def base(ray_head, tmp_path_factory):
     config = ray_config(folder, generator_max_concurrency=2)
     config = changed(config, "sae", enabled=False).with_paths_under(folder)  # as a job sees it: absolute paths
     yield config
-    from pipelines.cluster.ending import end_named_actors
-
-    left = end_named_actors(config.ray.namespace, sorted(raylens_actors(config.ray.namespace)), timeout_s=60)
-    assert not left, f"the module's actors {left} did not end within 60 s"
+    end_namespace(config.ray.namespace, timeout_s=60)
 
 
 def test_two_generator_replicas_share_a_file_and_a_resume_runs_only_the_lines_left(base, tmp_path, capsys):

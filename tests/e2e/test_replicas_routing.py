@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from tests.e2e.conftest import ray_config, wait_until
+from tests.e2e.conftest import end_namespace, ray_config, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -32,14 +32,6 @@ def _config(tmp_path, *, router: str = "affinity", generators: int = 2, pool: in
                                  backend=dataclasses.replace(config.backend, kv_cache_tokens=pool,
                                                              extract_attention=False, extract_hidden_states=False))
     return config.with_paths_under(tmp_path)
-
-
-def _end_namespace(namespace: str) -> None:
-    """Every raylens actor of the namespace (scaled replicas included), then wait until they are gone."""
-    from pipelines.cluster.ending import end_named_actors, listed_names
-
-    left = end_named_actors(namespace, sorted(listed_names(namespace)), timeout_s=120)
-    assert not left, f"the actors {left} of {namespace} did not end within 120 s"
 
 
 def _remote(config):
@@ -64,7 +56,7 @@ def _run_chats(config, order, systems) -> tuple[int, int, dict]:
                 engine.router_stats().decisions)
     finally:
         engine.replicas.close()
-        _end_namespace(config.ray.namespace)
+        end_namespace(config.ray.namespace)
 
 
 def test_affinity_routing_keeps_most_of_one_replicas_prefix_hits_and_round_robin_does_not(ray_head, tmp_path):
@@ -186,7 +178,7 @@ def test_a_replica_killed_under_load_loses_no_request_and_rejoins(ray_head, tmp_
         assert victim in placed, f"the rejoined replica got none of {placed}"
     finally:
         engine.replicas.close()
-        _end_namespace(config.ray.namespace)
+        end_namespace(config.ray.namespace)
 
 
 def _scrape(url: str) -> dict[tuple, float]:
@@ -269,7 +261,7 @@ def test_metrics_parse_and_their_token_counters_equal_the_usage_responses_report
                        if k[0] == "raylens:router_decisions_total" and ("reason", "group") in k[1]) == 1
     finally:
         engine.replicas.close()
-        _end_namespace(config.ray.namespace)
+        end_namespace(config.ray.namespace)
 
 
 def test_raylens_scale_adds_and_removes_replicas_without_dropping_a_request(ray_head, tmp_path, capsys):
@@ -340,4 +332,4 @@ def test_raylens_scale_adds_and_removes_replicas_without_dropping_a_request(ray_
             if w.ident is not None:
                 w.join(300)
         engine.replicas.close()
-        _end_namespace(config.ray.namespace)
+        end_namespace(config.ray.namespace)
