@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,8 +24,34 @@ os.environ.setdefault("RAY_allow_out_of_band_object_ref_serialization", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+#: Where free_port looks: above Ray's worker ports (10002-19999 by default), below the kernel's
+#: ephemeral range (read from /proc where there is one).
+_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, for a server a test starts. Not one the kernel hands out (bind to
+    0): that range is also where every outgoing connection takes its local port, and a head's
+    processes open many between this check and the server's bind (seen: the dashboard's port
+    taken, `ray start` exiting with "address already in use")."""
+    low = _ephemeral_low()
+    if low - _PORTS_FROM >= 1000:
+        for _ in range(100):
+            port = random.randrange(_PORTS_FROM, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
