@@ -4,7 +4,10 @@ Legacy code imports this module as ``quote.mods.manager``. Contract:
 
 * every mod is called, in registration order, for every event — no short-circuit here; the
   generation loop decides which returned actions it processes. The one exception is a *fatal*
-  call (below): its request cannot go on, so the mods after it are not called for that event;
+  call (below): its request cannot go on, so the mods after it are not called for that event.
+  The engine's own step (:meth:`ModManager.calls_for`) leaves out, besides, a call that would
+  return a Noop having done nothing: a mod whose handler begins with an ``isinstance`` guard that
+  sends the event straight to ``return None`` (:mod:`mods.event_guard`);
 * a mod's prints and log records are captured per call (see :mod:`mods.capture`);
 * a mod exception, or a result the event does not allow, is recorded and becomes ``Noop`` —
   the one place an error is swallowed, and never without a record;
@@ -45,11 +48,12 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .capture import CaptureBuffer, CapturedLog, _active, _ensure_installed
 from .conversation import pop_request_context, push_request_context
+from .event_guard import turns_away
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
-__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "CallRunner",
-           "dispatch_batch", "abandoned_mod_threads", "mod_name"]
+__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "CallRunner", "PendingCall",
+           "dispatch_batch", "run_batch", "abandoned_mod_threads", "mod_name"]
 
 log = logging.getLogger("raylens.mods")
 
@@ -293,6 +297,9 @@ class _Worker:
             pass
 
 
+PendingCall = _Pending  # one call to make (what a step's phases hand :func:`run_batch`)
+
+
 class CallRunner:
     """Where mod calls run with a time limit: one worker thread, replaced when a call on it must
     be abandoned. One runner serves a whole step's calls of many requests at once
@@ -384,7 +391,11 @@ class ModManager:
         return [call.action for call in self.dispatch_traced(event)]
 
     def dispatch_traced(self, event: ModEvent, mods: Sequence[Callable[..., Any]] | None = None) -> list[ModCall]:
-        pendings = self.pending_calls(event, mods)
+        return self.run_traced(self.pending_calls(event, mods))
+
+    def run_traced(self, pendings: list[_Pending]) -> list[ModCall]:
+        """Make ``pendings`` (this manager's calls for one event) on this manager's worker, or
+        inline without a time limit; what each did."""
         if self._timeout is None:
             for pending in pendings:
                 pending.run()
@@ -408,6 +419,15 @@ class ModManager:
             previous = _Pending(m, event, self._tokenizer, previous, self._timeout)
             out.append(previous)
         return out
+
+    def calls_for(self, event: ModEvent) -> list[_Pending]:
+        """:meth:`pending_calls` less the mods whose handler's leading guard turns ``event`` away
+        (:func:`mods.event_guard.turns_away`: the call would return a Noop having done nothing).
+        Such a call is not made, so it is not counted in :attr:`call_stats` either; what the step
+        records is what it would have been (a silent Noop has no record)."""
+        mods = self.mods
+        kept = [m for m in mods if not turns_away(m, event)]
+        return self.pending_calls(event, kept if len(kept) != len(mods) else None) if kept else []
 
     def records(self, pendings: Sequence[_Pending], *, keep_silent: bool = True) -> list[ModCall]:
         """What each call did (calls skipped after a fatal one are left out); counted in
@@ -457,15 +477,22 @@ class ModManager:
 
 def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunner, *,
                    keep_silent: bool = True) -> list[list[ModCall]]:
-    """Every mod of every ``(manager, event)`` job, in order, with one hand-off to ``runner``'s
-    thread for all the calls that have a time limit (a step of many requests pays one thread
-    switch per phase, not one per call); a manager without a limit calls its mods inline, in
-    turn. Returns each job's records, as :meth:`ModManager.dispatch_traced` would; ``keep_silent``
-    False leaves out the calls that returned a Noop and printed, logged and raised nothing
+    """Every mod of every ``(manager, event)`` job, in order: :func:`run_batch` of each job's
+    :meth:`~ModManager.pending_calls`."""
+    return run_batch([(manager, manager.pending_calls(event)) for manager, event in jobs], runner,
+                     keep_silent=keep_silent)
+
+
+def run_batch(groups: Sequence[tuple[ModManager, list[_Pending]]], runner: CallRunner, *,
+              keep_silent: bool = True) -> list[list[ModCall]]:
+    """Each ``(manager, calls)`` group's calls, in order, with one hand-off to ``runner``'s thread
+    for all the calls that have a time limit (a step of many requests pays one thread switch per
+    phase, not one per call); a manager without a limit calls its mods inline, in turn. Returns
+    each group's records, as :meth:`ModManager.dispatch_traced` would; ``keep_silent`` False leaves
+    out the calls that returned a Noop and printed, logged and raised nothing
     (:meth:`ModManager.records`)."""
-    groups = [manager.pending_calls(event) for manager, event in jobs]
     segment: list[_Pending] = []
-    for manager, pendings in zip((m for m, _ in jobs), groups):
+    for manager, pendings in groups:
         if manager.call_timeout_s is None:
             if segment:
                 runner.run(segment)
@@ -476,7 +503,7 @@ def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunn
             segment.extend(pendings)
     if segment:
         runner.run(segment)
-    return [manager.records(pendings, keep_silent=keep_silent) for (manager, _), pendings in zip(jobs, groups)]
+    return [manager.records(pendings, keep_silent=keep_silent) for manager, pendings in groups]
 
 
 def _timeout_record(timeout: ModCallTimeout, stack: str) -> ModException:

@@ -466,13 +466,16 @@ class RequestMachine:
         return state.payload.event(event, top)
 
     def _dispatch(self, event: ModEvent) -> Phase[list[Call]]:
-        """The event is recorded, and its mods' calls come back from the driver (:func:`drive`,
-        which dispatches the events of every request of the step together)."""
+        """The event is recorded, and the calls its mods are to get go to the driver (:func:`drive`,
+        which runs the calls of every request of the step together) and come back made."""
         if self._mod_free:  # no mod to call: the event is only recorded (held, when announcements are)
             self._announce(self._record, (event,))
             return []
         index = self._record(event)
-        calls = yield event
+        pending = self.state.manager.calls_for(event)
+        if not pending:  # every mod's guard turns this event away: no call, no round
+            return []
+        calls = yield pending
         return self._items(index, calls)
 
     def _dispatch_now(self, event: ModEvent) -> list[Call]:
@@ -481,7 +484,9 @@ class RequestMachine:
             self._announce(self._record, (event,))
             return []
         index = self._record(event)
-        return self._items(index, self.state.manager.dispatch_traced(event))
+        manager = self.state.manager
+        pending = manager.calls_for(event)
+        return self._items(index, manager.run_traced(pending)) if pending else []
 
     def _items(self, index: int, calls: Sequence[ModCall]) -> list[Call]:
         """The calls to apply and record (a silent Noop has no record: nothing to do for it)."""

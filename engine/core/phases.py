@@ -1,8 +1,8 @@
 """A step's phases across its requests: each request's machine runs a phase (Prefilled, ForwardPass,
-Sampled, Added) as a generator that yields the events its mods must see and is sent their calls back;
-:func:`drive` runs the phases of every request of the step together, so that each round's events
-go to the mods in one hand-off (:func:`mods.manager.dispatch_batch`: one thread switch per round,
-not one per call). A fault in one request's part of a step ends that request alone
+Sampled, Added) as a generator that yields the calls its mods are to get for an event and is sent
+them back made; :func:`drive` runs the phases of every request of the step together, so that each
+round's calls go to the mods in one hand-off (:func:`mods.manager.run_batch`: one thread switch per
+round, not one per call). A fault in one request's part of a step ends that request alone
 (:func:`run_guarded`).
 """
 
@@ -12,8 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence, TypeVar, TypeVarTuple, Unpack
 
 from engine.errors import GrammarError
-from mods.manager import CallRunner, ModCall, dispatch_batch
-from mods.types import ModEvent
+from mods.manager import CallRunner, ModCall, PendingCall, run_batch
 
 if TYPE_CHECKING:
     from engine.core.machine import RequestMachine
@@ -24,34 +23,34 @@ log = logging.getLogger("raylens.step_loop")
 
 T = TypeVar("T")
 Args = TypeVarTuple("Args")
-Phase = Generator[ModEvent, list[ModCall], T]  # yields events for mods, is sent their calls, returns T
+Phase = Generator[list[PendingCall], list[ModCall], T]  # yields calls to make, is sent what they did, returns T
 
 
 def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRunner) -> list[Any]:
-    """Run each machine's phase to its end; every round, the events all of them wait on are
-    dispatched to their mods together (one thread hand-off for the round, not one per call). A
-    phase that raises fails its request alone (its result is None)."""
+    """Run each machine's phase to its end; every round, the calls all of them wait on are made
+    together (one thread hand-off for the round, not one per call). A phase that raises fails its
+    request alone (its result is None)."""
     results: list[Any] = [None] * len(phases)
-    waiting: list[tuple[int, ModEvent]] = []
+    waiting: list[tuple[int, list[PendingCall]]] = []
 
     def advance(i: int, value: Any) -> None:
         machine, phase = phases[i]
         try:
-            event = phase.send(value)
+            pending = phase.send(value)
         except StopIteration as done:
             results[i] = done.value
             return
         except Exception as err:
             _fault(machine, err)
             return
-        waiting.append((i, event))
+        waiting.append((i, pending))
 
     for i in range(len(phases)):
         advance(i, None)
     while waiting:
         now, waiting[:] = list(waiting), []
         # silent Noops (most calls) come back without a record: there is nothing to apply or record for one
-        calls = dispatch_batch([(phases[i][0].manager, event) for i, event in now], runner, keep_silent=False)
+        calls = run_batch([(phases[i][0].manager, pending) for i, pending in now], runner, keep_silent=False)
         for (i, _), made in zip(now, calls):
             advance(i, made)
     return results
