@@ -497,7 +497,7 @@ class RequestMachine:
 
     @property
     def manager(self) -> ModManager:
-        """The request's mods (what :func:`drive` dispatches its events to)."""
+        """The request's mods (whose calls :func:`drive` makes)."""
         return self.state.manager
 
     def _features(self, newest_only: bool) -> SAEFeatures | None:
