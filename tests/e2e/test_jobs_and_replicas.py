@@ -43,10 +43,9 @@ def store_sql(config, sql, params=None):
 
 
 def raylens_actors(namespace) -> set[str]:
-    import ray
+    from pipelines.cluster.ending import listed_names
 
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == namespace and a["name"].startswith("raylens-")}
+    return {name for name in listed_names(namespace) if name.startswith("raylens-")}
 
 
 @pytest.fixture(scope="module")

@@ -233,6 +233,7 @@ def test_a_generator_that_encodes_inline_streams_each_tokens_sae_features_and_st
     import websockets
 
     from pipelines.cluster.actor_specs import actor_roles
+    from pipelines.cluster.ending import listed_names
     from pipelines.serve.app import build_app
     from pipelines.serve.local import serve_in_thread
     from pipelines.serve.remote_engine import RemoteEngine
@@ -274,8 +275,7 @@ def test_a_generator_that_encodes_inline_streams_each_tokens_sae_features_and_st
         stored = ray.get(store.sql.remote("select count(*) from activations where request_id = ?", ["inline-sae"]),
                          timeout=60)
         assert stored[0][0] > 0, "the inline rows never reached the StoreActor"
-        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == config.ray.namespace]
+        named = sorted(listed_names(config.ray.namespace))
         assert not [n for n in named if n.startswith("raylens-sae")], f"idle SAE workers were started: {named}"
     finally:
         kill_namespace_actors(config)
