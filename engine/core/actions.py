@@ -24,7 +24,7 @@ from engine.core.events import released_logits
 from engine.core.request import RequestState
 from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
-from engine.model.tensor import as_torch
+from engine.model.tensor import TensorShim, as_torch
 from mods.manager import ModCall
 from mods.tensor import MaskedLogits
 from mods.validation import ALLOWED_ACTIONS, InvalidActionError, check_action_values, check_steer, check_token_ids
@@ -88,6 +88,7 @@ class PhaseActions:
         self.state = state
         self.vocab_size = vocab_size
         self.device = device
+        self._on_cpu = device.type == "cpu"  # a mod's row of the step's host copy is then usable as it is
         self.steering = steering
         self.steer_log: list[dict[str, Any]] = []  # every applied Steer: step, feature, scale
 
@@ -203,25 +204,31 @@ class PhaseActions:
 
     def adjust_logits(self, item: Call, action: AdjustedLogits, plan: StepPlan) -> None:
         vocab = self.vocab_size
-        if not self.valid(item):  # token_temp: None, 0 (greedy) or finite > 0
+        # the only value checked before the logits is token_temp: None, 0 (greedy) or finite > 0
+        if action.token_temp is not None and not self.valid(item):
             return
+        source = action.logits
+        # a whole row of the step's host copy, as a mod left it (the usual edit-and-return)
+        lent = source.lent if type(source) is TensorShim else None
         try:
-            if isinstance(action.logits, MaskedLogits):  # said, not done: applied here, where the logits are
-                masked = action.logits
-                row = as_torch(masked.base, device=self.device, dtype=torch.float32).reshape(-1)
-                mask = torch.from_numpy(masked.mask()).to(self.device)  # (V,) bool
-                logits = row.masked_fill(mask, masked.value)
+            if lent is not None and self._on_cpu:  # float32 on the engine's device already: as it is
+                logits = source.tensor
+            elif isinstance(source, MaskedLogits):  # said, not done: applied here, where the logits are
+                row = as_torch(source.base, device=self.device, dtype=torch.float32).reshape(-1)
+                mask = torch.from_numpy(source.mask()).to(self.device)  # (V,) bool
+                logits = row.masked_fill(mask, source.value)
             else:
-                logits = as_torch(action.logits, device=self.device, dtype=torch.float32).reshape(-1)
+                logits = as_torch(source, device=self.device, dtype=torch.float32).reshape(-1)
         except Exception as err:  # a mod handed us something that is not a tensor
             return self.fault(item, f"AdjustedLogits.logits is not a tensor of numbers: {err}")
-        if logits.shape[0] != vocab:
+        if logits.numel() != vocab:
             return self.fault(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
-                                    f"got {logits.shape[0]}")
+                                    f"got {logits.numel()}")
         # one pass and one device read: the maximum is finite unless there is a NaN (max propagates
         # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from; the same
         # pass finds the greedy choice (the first maximum, as argmax picks it)
-        lent = getattr(action.logits, "lent", None)  # a whole row of the step's host copy, as a mod left it
+        if lent is None:
+            lent = getattr(source, "lent", None)  # a host-copy row of another kind of wrapper
         if lent is not None:  # Python numbers, read with every other lent row's
             best, where = lent[0].row_max(lent[1])
             finite = math.isfinite(best)

@@ -170,14 +170,16 @@ def test_backtrack_does_not_mutate_the_mods_action():
     assert action.n == 3
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch", "shim", "flat"])
+@pytest.mark.parametrize("kind", ["numpy", "torch", "shim", "flat", "flat shim", "shim at temperature 0"])
 def test_adjusted_logits_accepts_numpy_torch_and_shim_and_changes_the_sample(kind):
+    # a shim of the row to_numpy lent (whole, or flattened) is applied as it is, without a copy
     def adjust(event):
         arr = event.logits.to_numpy()
         arr[0, ids("h")[0]] = -1e9  # ban the scripted first choice; the second ("e") wins
-        value = {"numpy": arr, "torch": torch.from_numpy(arr), "shim": type(event.logits).from_numpy(arr),
-                 "flat": arr[0]}[kind]
-        return AdjustedLogits(value)
+        shim = type(event.logits).from_numpy
+        value = {"numpy": arr, "torch": torch.from_numpy(arr), "shim": shim(arr), "flat": arr[0],
+                 "flat shim": shim(arr[0]), "shim at temperature 0": shim(arr)}[kind]
+        return AdjustedLogits(value, token_temp=0.0 if kind.endswith("0") else None)
 
     baseline, _ = run()
     result, _ = run([on(ForwardPass, adjust, step=0)])
@@ -202,6 +204,16 @@ def test_adjusted_logits_with_wrong_width_end_the_request_with_a_reason():
     result, _ = run([on(ForwardPass, lambda e: AdjustedLogits(np.zeros((1, 7), np.float32)), step=1)])
     assert result.finish_reason is FinishReason.ERROR and result.output_text == "h"
     assert "entries" in result.ignored_actions[0].reason and "entries" in result.error
+
+
+def test_a_bad_token_temp_on_a_lent_row_ends_the_request_with_a_reason():
+    def adjust(event):
+        arr = event.logits.to_numpy()
+        return AdjustedLogits(type(event.logits).from_numpy(arr), token_temp=-1.0)
+
+    result, _ = run([on(ForwardPass, adjust, step=1)])
+    assert result.finish_reason is FinishReason.ERROR and result.output_text == "h"
+    assert "token_temp" in result.error
 
 
 def test_token_temp_zero_samples_greedily():
