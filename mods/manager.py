@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .capture import CaptureBuffer, CapturedLog, _active, _ensure_installed
 from .conversation import pop_request_context, push_request_context
-from .event_guard import turns_away
+from .event_guard import forget_decisions, turns_away, turns_away_kind
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
@@ -185,6 +185,7 @@ class _Pending:
         rejected: ModAction | None = None
         fatal = False
         request_id = getattr(event, "request_id", None)
+        forget_decisions()  # the mod's code may rebind what guards read: they are read afresh after it
         _ensure_installed()
         buffer = self.buffer = CaptureBuffer()
         token = _active.set(buffer)
@@ -208,6 +209,7 @@ class _Pending:
                 pop_request_context(context)
         finally:
             _active.reset(token)
+            forget_decisions()
         self.elapsed_ms = (time.perf_counter() - t0) * 1000.0
         self.outcome = (action, exception, rejected, fatal)
 
@@ -428,6 +430,12 @@ class ModManager:
         mods = self.mods
         kept = [m for m in mods if not turns_away(m, event)]
         return self.pending_calls(event, kept if len(kept) != len(mods) else None) if kept else []
+
+    def turns_away_all(self, kind: type[ModEvent]) -> bool:
+        """Whether every mod's guard turns every event of class ``kind`` away
+        (:func:`mods.event_guard.turns_away_kind`): :meth:`calls_for` would make no call for one,
+        so the engine need not make the event while the step runs."""
+        return all(turns_away_kind(m, kind) for m in self.mods)
 
     def records(self, pendings: Sequence[_Pending], *, keep_silent: bool = True) -> list[ModCall]:
         """What each call did (calls skipped after a fatal one are left out); counted in

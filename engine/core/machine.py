@@ -51,6 +51,7 @@ from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
 from engine.model.tensor import ReleasedLogits
 from engine.model.sampling import SampleResult, SampleRow
+from mods.event_guard import forget_decisions
 from mods.manager import CallRunner, ModCall, ModManager
 from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
@@ -81,6 +82,9 @@ class RequestMachine:
         # compact trace entry (fast_step / fast_sample) and its events are made after it finished
         self.fast = self._mod_free and state.on_event is None
         self._trace: list[tuple[Any, ...]] = []
+        # a request with mods: its Sampled/Added events that nothing heard as they happened, made
+        # when it ends (materialize): (their place among its events, class, step, token(s), forced)
+        self._later: list[tuple[int, type, int, Any, bool]] = []
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
         self._host_row = -1  # this request's row in it
         self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
@@ -305,6 +309,8 @@ class RequestMachine:
         prefix of the final sequence). The payload records are made when the payload is built
         (:meth:`~engine.services.ingest_payload.PayloadBuilder.event_later`), which, with no
         ingest URL, is only if the result's payload is read."""
+        if self._later:
+            self._make_later_events()
         state, trace = self.state, self._trace
         if not trace:
             return
@@ -331,6 +337,40 @@ class RequestMachine:
             state.events.append(event)
             later.append((event, top, at))
         state.payload.event_later(later)
+
+    def _make_later_events(self) -> None:
+        """Put the events :meth:`_unheard` left unmade in their places among the request's events
+        (their payload records were made in order as they happened)."""
+        state, later = self.state, self._later
+        self._later = []
+        events: list[ModEvent] = []
+        live = iter(state.events)
+        for place, kind, step, tokens, forced in later:
+            events.extend(next(live) for _ in range(place - len(events)))
+            events.append(Sampled(state.request_id, step, tokens) if kind is Sampled
+                          else Added(state.request_id, step, tokens, forced))
+        events.extend(live)
+        state.events[:] = events
+
+    def _unheard(self, kind: type[ModEvent]) -> bool:
+        """Nothing hears this request's ``kind`` events as they happen: no listener, and every
+        mod's guard turns them away (:meth:`ModManager.turns_away_all`). Such an event is
+        recorded from its facts and made when the request ends (:meth:`_record_later`): the
+        loop's thread skips making it and asking each mod about it."""
+        state = self.state
+        return state.on_event is None and state.manager.turns_away_all(kind)
+
+    def _record_later(self, kind: type[ModEvent], tokens: Any, forced: bool = False) -> None:
+        """An unheard Sampled (``tokens``: its token) or Added event of this step: its payload
+        record now, in order; the event itself when the request ends."""
+        state = self.state
+        place = len(state.events) + len(self._later)
+        if kind is Sampled:
+            state.payload.sampled(state.step, tokens)
+        else:
+            tokens = list(tokens)
+            state.payload.added(state.step, tokens, forced)
+        self._later.append((place, kind, state.step, tokens, forced))
 
     def _sample_row(self, plan: StepPlan) -> SampleRow:
         """What this step samples from: the (possibly adjusted) logits, the sampling values, and
@@ -368,8 +408,12 @@ class RequestMachine:
             and state.sae_features is None
         if hold:
             self._outbox = []
-        plan = self.actions.apply_sampled_actions(
-            (yield from self._dispatch(Sampled(state.request_id, state.step, sample.token))))
+        if self._unheard(Sampled):
+            self._record_later(Sampled, sample.token)
+            plan = _NO_ACTIONS
+        else:
+            plan = self.actions.apply_sampled_actions(
+                (yield from self._dispatch(Sampled(state.request_id, state.step, sample.token))))
         if state.finish is None:
             yield from self._add_step_tokens(plan, sample)
         self._end_step()
@@ -403,6 +447,9 @@ class RequestMachine:
         state = self.state
         tokens = self._join(tokens, forced, sample)
         if state.finish is not None:  # a sample the grammar refused: the request ended
+            return
+        if self._unheard(Added):
+            self._record_later(Added, tokens, forced)
             return
         self.actions.apply_added_actions(
             (yield from self._dispatch(Added(state.request_id, state.step, list(tokens), forced))))
@@ -462,6 +509,7 @@ class RequestMachine:
         state.events.append(event if self._keep_logits or not forward else released_logits(event))
         if state.on_event is not None:
             state.on_event(event)
+            forget_decisions()  # a listener's code may rebind what mods' guards read
         top = state.output.top_source if forward and state.output is not None else None
         return state.payload.event(event, top)
 

@@ -46,6 +46,7 @@ from engine.model.backend import Backend, ForwardBatch, ForwardRow, RowOutput
 from engine.model.capture import CapturePlan
 from engine.model.openmp import release_thread_team
 from engine.model.sampling import SampleResult, SampleRow, sample_rows
+from mods.event_guard import forget_decisions
 from mods.manager import CallRunner
 
 __all__ = ["StepLoop", "Entry", "LoopStats"]
@@ -291,6 +292,7 @@ class StepLoop:
                     self._jobs.append(job)
 
     def _step(self) -> None:
+        forget_decisions()  # each step reads the mods' guards afresh (a caller may have rebound their names)
         output = self.scheduler.schedule()
         if output:
             self._forward(output)

@@ -245,6 +245,21 @@ class PayloadBuilder:
         self._log.append((_EVENT, type(event), int(event.step), at, facts))
         return index
 
+    def sampled(self, step: int, token: int) -> int:
+        """Record a Sampled event from its facts, as :meth:`event` would record the event (for a
+        step whose Sampled no one hears as it happens: the event itself is made later)."""
+        index = self._event_count
+        self._event_count += 1
+        self._log.append((_EVENT, Sampled, step, time.time(), (int(token),)))
+        return index
+
+    def added(self, step: int, tokens: Sequence[int], forced: bool) -> int:
+        """Record an Added event from its facts, as :meth:`event` would (see :meth:`sampled`)."""
+        index = self._event_count
+        self._event_count += 1
+        self._log.append((_EVENT, Added, step, time.time(), ([int(t) for t in tokens], bool(forced))))
+        return index
+
     def event_later(self, events: Sequence[tuple[ModEvent, Any, float]]) -> None:
         """``(event, top, at)`` each, recorded as :meth:`event` would, in order, when the payload
         is built: for events made after the request ended (a request nobody watched step by step),

@@ -1,14 +1,17 @@
 """A mod whose handler's guard turns an event away is not called for it, and the step makes no
-round (no hand-off to the mods' thread) for an event no mod of the request is called for. Nothing
-else changes: the same mod behind a callable object, whose guard the engine cannot read, is called
-for every event and gives the same tokens, events and payload."""
+round (no hand-off to the mods' thread) for an event no mod of the request is called for; a
+Sampled or Added event that no mod and no listener hears is recorded as it happens and made when
+the request ends, in its place. Nothing else changes: the same mod behind a callable object, whose
+guard the engine cannot read, is called for every event and gives the same tokens, events and
+payload. A guard's names are resolved afresh after any mod call, so a mod that rebinds them
+mid-step is seen by the next event of that step."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import mods.manager as manager_module
-from mods import ForwardPass, mod
+from mods import Added, ForwardPass, Sampled, mod
 from tests.core_fixtures import _payload as timeless  # the payload less its times and request id
 from tests.helpers import assert_payload_valid
 
@@ -70,8 +73,76 @@ def test_a_guarded_mod_is_called_only_for_what_its_guard_lets_through_and_nothin
     assert read_calls == forward_passes and read_handoffs == forward_passes
     assert every_calls == len(every.events) == 1 + 3 * forward_passes  # Prefilled, then 3 a step
     assert every_handoffs == every_calls  # one request: one call a round
-    assert [(type(e).__name__, e.step) for e in read.events] == [(type(e).__name__, e.step) for e in every.events]
+    assert facts(read.events) == facts(every.events)
     assert_payload_valid(read.payload)
     assert timeless(read.payload["events"]) == timeless(every.payload["events"])
     for part in ("mod_calls", "actions", "mod_logs"):
         assert timeless(read.payload[part]) == timeless(every.payload[part]), part
+
+
+def facts(events) -> list[tuple[Any, ...]]:
+    """What a result's events say, less the tensors (compared elsewhere)."""
+    assert len({e.request_id for e in events}) == 1, "every event names its request"
+    return [(type(e).__name__, e.step, getattr(e, "sampled_token", None), getattr(e, "added_tokens", None),
+             getattr(e, "forced", None), getattr(e, "input_ids", None)) for e in events]
+
+
+def noting(kind, seen: list):
+    """A mod that hears ``kind`` only and notes what it heard (nothing else)."""
+    @mod
+    def note(event, actions, tokenizer):
+        if isinstance(event, kind):
+            seen.append((type(event).__name__, event.step))
+        return None
+
+    return note
+
+
+def test_events_no_one_hears_are_made_in_their_places_when_the_request_ends(engine):
+    # a mod that hears Sampled only: its ForwardPass and Added events are unheard (Added made later,
+    # ForwardPass recorded as every step's is); one that hears Added only: Sampled is made later
+    for kind in (Sampled, Added):
+        read_seen: list = []
+        every_seen: list = []
+        read = engine.generate(PROMPT, max_tokens=5, temperature=0.0, mods=[noting(kind, read_seen)])
+        every = engine.generate(PROMPT, max_tokens=5, temperature=0.0, mods=[Opaque(noting(kind, every_seen))])
+        assert read_seen == every_seen and len(read_seen) == 5, kind
+        assert facts(read.events) == facts(every.events), kind
+        assert [type(e).__name__ for e in read.events] == ["Prefilled"] + ["ForwardPass", "Sampled", "Added"] * 5
+        assert timeless(read.payload["events"]) == timeless(every.payload["events"]), kind
+        assert_payload_valid(read.payload)
+
+
+def test_a_listener_hears_every_event_as_it_happens_even_those_no_mod_hears(engine):
+    heard: list = []
+    result = engine.generate(PROMPT, max_tokens=4, temperature=0.0, mods=[noting(ForwardPass, [])],
+                             on_event=lambda event: heard.append(event))
+    assert [id(e) for e in heard] != [] and facts(heard) == facts(result.events)
+
+
+def test_a_mod_that_rebinds_a_guards_name_mid_step_is_seen_by_that_steps_next_event(engine):
+    """Two requests in one batch: the first has a mod that, on Sampled of step 1, rebinds the name
+    another mod's guard reads (from ForwardPass to Added); that other mod is on both requests. The
+    second request's Added of step 1 was decided before the rebinding ran (in the same pass of the
+    step), the first's after it: the first request's mod hears Added from step 1 on."""
+    namespace: dict[str, Any] = {"Kind": ForwardPass, "seen": []}
+    exec("def watcher(event, tokenizer):\n"
+         "    if isinstance(event, Kind):\n"
+         "        seen.append((event.request_id, type(event).__name__, event.step))\n", namespace)
+    watcher = namespace["watcher"]
+
+    def rebinder(event, tokenizer):
+        if isinstance(event, Sampled):
+            if event.step == 1:
+                namespace["Kind"] = Added
+        return None
+
+    ids = engine.encode(PROMPT)
+    with engine.loop.admission_held():
+        first = engine.submit(input_ids=ids, max_tokens=4, temperature=0.0, mods=[rebinder, watcher], request_id="first")
+        second = engine.submit(input_ids=ids, max_tokens=4, temperature=0.0, mods=[watcher], request_id="second")
+    first.result(), second.result()
+    seen = namespace["seen"]
+    assert ("first", "ForwardPass", 1) in seen and ("first", "ForwardPass", 2) not in seen
+    assert ("first", "Added", 1) in seen  # decided after the rebinding mod's call of the same step
+    assert ("second", "Added", 2) in seen and ("second", "ForwardPass", 2) not in seen

@@ -18,7 +18,8 @@ import pytest
 import mods.types as T
 from mods import mod
 from mods.decorator import create_mod
-from mods.event_guard import turns_away
+from mods.event_guard import forget_decisions, turns_away
+from mods.manager import ModManager
 from mods.types import Added, ForwardPass, Noop, Prefilled, Sampled
 from mods.validation import validate_action
 
@@ -234,15 +235,40 @@ def test_a_call_the_guard_does_not_settle_is_always_made(m):
     assert turned_away(m) == set()
 
 
-def test_names_are_resolved_when_the_event_is_dispatched():
+def test_names_are_resolved_afresh_once_code_may_have_rebound_them():
+    # forget_decisions is what a mod call, an event listener and each new step of the engine do
     namespace = {"Kind": ForwardPass, "LOG": LOG}
     exec("def rebinds(event, tokenizer):\n    if isinstance(event, Kind):\n        LOG.append('rebinds')\n", namespace)
     m = namespace["rebinds"]
     assert turned_away(m) == {"Prefilled", "Sampled", "Added"}
     namespace["Kind"] = Sampled
+    forget_decisions()
     assert turned_away(m) == {"Prefilled", "ForwardPass", "Added"}
     namespace["isinstance"] = lambda obj, cls: True  # now the guard's own isinstance is another function
+    forget_decisions()
     assert turned_away(m) == set()
+
+
+def test_a_decision_is_reused_until_code_runs_and_a_mod_call_is_code():
+    namespace = {"Kind": ForwardPass, "LOG": LOG}
+    exec("def rebinds(event, tokenizer):\n    if isinstance(event, Kind):\n        LOG.append('rebinds')\n", namespace)
+    m = namespace["rebinds"]
+    assert turned_away(m) == {"Prefilled", "Sampled", "Added"}
+    namespace["Kind"] = Sampled  # rebound by no code the engine ran: the decisions stand
+    assert turned_away(m) == {"Prefilled", "Sampled", "Added"}
+
+    def rebinding_mod(event, tokenizer):
+        namespace["Kind"] = Added
+
+    ModManager([rebinding_mod], call_timeout_s=None).dispatch_traced(Sampled("r", 1, 3))  # a mod call: decide afresh
+    assert turned_away(m) == {"Prefilled", "ForwardPass", "Sampled"}
+    # only the SDK's own event classes are decided once per class: any other object is read every time
+    other = type("Other", (Added,), {})("r", 1, [3], False)
+    namespace["Kind"] = ForwardPass
+    forget_decisions()
+    assert turns_away(m, other) is True
+    namespace["Kind"] = type(other)
+    assert turns_away(m, other) is False
 
 
 def test_a_function_whose_code_is_replaced_is_read_again():
@@ -255,6 +281,7 @@ def test_a_function_whose_code_is_replaced_is_read_again():
 
     assert turned_away(guarded) == {"Prefilled", "Sampled", "Added"}
     guarded.__code__ = unguarded.__code__
+    forget_decisions()  # code ran (here the test's own)
     assert turned_away(guarded) == set()
 
 
@@ -300,6 +327,7 @@ def test_an_sdk_wrapper_whose_handler_is_swapped_is_read_again():
     assert turned_away(wrapped) == {"Prefilled", "Sampled", "Added"}
     cell = wrapped.__closure__[wrapped.__code__.co_freevars.index("handler")]
     cell.cell_contents = unguarded
+    forget_decisions()
     assert turned_away(wrapped) == set()
 
 
