@@ -201,6 +201,8 @@ def _read(mod: types.FunctionType) -> tuple[Any, ...]:
 def _forget(key: int) -> Callable[[Any], None]:
     def forget(_: Any) -> None:
         _READ.pop(key, None)
+        for kind in _SDK_EVENTS:  # its decisions hold what was read of it (an SDK wrapper's handler)
+            _DECIDED.pop((key, kind), None)
     return forget
 
 

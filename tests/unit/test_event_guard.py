@@ -342,7 +342,8 @@ def test_what_was_read_of_a_mod_goes_with_the_mod():
 
     assert turned_away(short_lived) == {"Prefilled", "Sampled", "Added"}
     key = id(short_lived)
-    assert key in guard._READ
+    assert key in guard._READ and (key, Sampled) in guard._DECIDED
     del short_lived
     gc.collect()
     assert key not in guard._READ
+    assert not any(decided[0] == key for decided in guard._DECIDED)
