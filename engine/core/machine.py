@@ -508,8 +508,10 @@ class RequestMachine:
         forward = isinstance(event, ForwardPass)
         state.events.append(event if self._keep_logits or not forward else released_logits(event))
         if state.on_event is not None:
-            state.on_event(event)
-            forget_decisions()  # a listener's code may rebind what mods' guards read
+            try:
+                state.on_event(event)
+            finally:
+                forget_decisions()  # a listener's code may rebind what mods' guards read (raising or not)
         top = state.output.top_source if forward and state.output is not None else None
         return state.payload.event(event, top)
 

@@ -146,3 +146,20 @@ def test_a_mod_that_rebinds_a_guards_name_mid_step_is_seen_by_that_steps_next_ev
     assert ("first", "ForwardPass", 1) in seen and ("first", "ForwardPass", 2) not in seen
     assert ("first", "Added", 1) in seen  # decided after the rebinding mod's call of the same step
     assert ("second", "Added", 2) in seen and ("second", "ForwardPass", 2) not in seen
+
+
+def test_a_listener_that_raises_fails_its_own_request_alone(engine):
+    """A listener is user code like a mod: whatever it raises ends its own request with a reason,
+    and the request beside it in the batch goes on (guards are read afresh after it either way)."""
+    def listener(event):
+        if isinstance(event, ForwardPass) and event.step == 1:
+            raise RuntimeError("listener failed")
+
+    ids = engine.encode(PROMPT)
+    with engine.loop.admission_held():
+        failing = engine.submit(input_ids=ids, max_tokens=4, temperature=0.0, mods=[noting(ForwardPass, [])],
+                                on_event=listener)
+        beside = engine.submit(input_ids=ids, max_tokens=4, temperature=0.0, mods=[noting(ForwardPass, [])])
+    failed, ok = failing.result(), beside.result()
+    assert failed.finish_reason.value == "error" and "listener failed" in (failed.error or "")
+    assert len(ok.output_ids) == 4 and ok.finish_reason.value == "length"
