@@ -66,17 +66,18 @@ def turns_away(mod: Callable[..., Any], event: Any) -> bool:
     straight to ``return None``. False whenever that is not certain."""
     if type(mod) is not types.FunctionType:
         return False
-    kind = type(event)
-    if kind in _SDK_EVENTS:  # the answer depends on the event's class alone (turns_away_kind)
-        decided = _DECIDED.get((id(mod), kind))
-        if decided is not None and decided[0] is _READ.get(id(mod)):
+    key = (id(mod), type(event))
+    reusable = key[1] in _SDK_EVENTS  # the answer depends on the event's class alone (turns_away_kind)
+    entry = _READ.get(key[0])
+    if reusable:
+        decided = _DECIDED.get(key)
+        if decided is not None and decided[0] is entry:
             return decided[1]
-    entry = _READ.get(id(mod))
     if entry is None or entry[0]() is not mod or not _current(mod, entry):
         entry = _read(mod)
     away = _decide(mod, entry, event)
-    if kind in _SDK_EVENTS:
-        _DECIDED[(id(mod), kind)] = (entry, away)
+    if reusable:
+        _DECIDED[key] = (entry, away)
     return away
 
 

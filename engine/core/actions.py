@@ -208,10 +208,11 @@ class PhaseActions:
         if action.token_temp is not None and not self.valid(item):
             return
         source = action.logits
+        shim = type(source) is TensorShim
         # a whole row of the step's host copy, as a mod left it (the usual edit-and-return)
-        lent = source.lent if type(source) is TensorShim else None
+        lent = source.lent if shim else getattr(source, "lent", None)
         try:
-            if lent is not None and self._on_cpu:  # float32 on the engine's device already: as it is
+            if shim and lent is not None and self._on_cpu:  # float32 on the engine's device already: as it is
                 logits = source.tensor
             elif isinstance(source, MaskedLogits):  # said, not done: applied here, where the logits are
                 row = as_torch(source.base, device=self.device, dtype=torch.float32).reshape(-1)
@@ -227,8 +228,6 @@ class PhaseActions:
         # one pass and one device read: the maximum is finite unless there is a NaN (max propagates
         # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from; the same
         # pass finds the greedy choice (the first maximum, as argmax picks it)
-        if lent is None:
-            lent = getattr(source, "lent", None)  # a host-copy row of another kind of wrapper
         if lent is not None:  # Python numbers, read with every other lent row's
             best, where = lent[0].row_max(lent[1])
             finite = math.isfinite(best)

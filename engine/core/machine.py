@@ -83,8 +83,8 @@ class RequestMachine:
         self.fast = self._mod_free and state.on_event is None
         self._trace: list[tuple[Any, ...]] = []
         # a request with mods: its Sampled/Added events that nothing heard as they happened, made
-        # when it ends (materialize): (their place among its events, class, step, token(s), forced)
-        self._later: list[tuple[int, type, int, Any, bool]] = []
+        # when it ends (materialize): (their place among its events, class, its fields after request_id)
+        self._later: list[tuple[int, Callable[..., ModEvent], tuple[Any, ...]]] = []
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
         self._host_row = -1  # this request's row in it
         self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
@@ -345,10 +345,9 @@ class RequestMachine:
         self._later = []
         events: list[ModEvent] = []
         live = iter(state.events)
-        for place, kind, step, tokens, forced in later:
+        for place, kind, fields in later:
             events.extend(next(live) for _ in range(place - len(events)))
-            events.append(Sampled(state.request_id, step, tokens) if kind is Sampled
-                          else Added(state.request_id, step, tokens, forced))
+            events.append(kind(state.request_id, *fields))
         events.extend(live)
         state.events[:] = events
 
@@ -360,17 +359,18 @@ class RequestMachine:
         state = self.state
         return state.on_event is None and state.manager.turns_away_all(kind)
 
-    def _record_later(self, kind: type[ModEvent], tokens: Any, forced: bool = False) -> None:
-        """An unheard Sampled (``tokens``: its token) or Added event of this step: its payload
-        record now, in order; the event itself when the request ends."""
+    def _record_later(self, kind: type[ModEvent], *fields: Any) -> None:
+        """An unheard event of this step, ``Sampled`` (``fields``: its token) or ``Added`` (its
+        tokens, forced): its payload record now, in order; the event itself when the request ends."""
         state = self.state
         place = len(state.events) + len(self._later)
         if kind is Sampled:
-            state.payload.sampled(state.step, tokens)
+            state.payload.sampled(state.step, *fields)
         else:
-            tokens = list(tokens)
-            state.payload.added(state.step, tokens, forced)
-        self._later.append((place, kind, state.step, tokens, forced))
+            tokens, forced = fields
+            fields = (list(tokens), forced)  # its own list: the stream was handed the step's
+            state.payload.added(state.step, *fields)
+        self._later.append((place, kind, (state.step, *fields)))
 
     def _sample_row(self, plan: StepPlan) -> SampleRow:
         """What this step samples from: the (possibly adjusted) logits, the sampling values, and

@@ -235,11 +235,16 @@ def test_a_call_the_guard_does_not_settle_is_always_made(m):
     assert turned_away(m) == set()
 
 
-def test_names_are_resolved_afresh_once_code_may_have_rebound_them():
-    # forget_decisions is what a mod call, an event listener and each new step of the engine do
+def rebinding_guard() -> tuple[dict, object]:
+    """A mod whose guard reads the global ``Kind`` of a namespace the test rebinds (ForwardPass first)."""
     namespace = {"Kind": ForwardPass, "LOG": LOG}
     exec("def rebinds(event, tokenizer):\n    if isinstance(event, Kind):\n        LOG.append('rebinds')\n", namespace)
-    m = namespace["rebinds"]
+    return namespace, namespace["rebinds"]
+
+
+def test_names_are_resolved_afresh_once_code_may_have_rebound_them():
+    # forget_decisions is what a mod call, an event listener and each new step of the engine do
+    namespace, m = rebinding_guard()
     assert turned_away(m) == {"Prefilled", "Sampled", "Added"}
     namespace["Kind"] = Sampled
     forget_decisions()
@@ -250,9 +255,7 @@ def test_names_are_resolved_afresh_once_code_may_have_rebound_them():
 
 
 def test_a_decision_is_reused_until_code_runs_and_a_mod_call_is_code():
-    namespace = {"Kind": ForwardPass, "LOG": LOG}
-    exec("def rebinds(event, tokenizer):\n    if isinstance(event, Kind):\n        LOG.append('rebinds')\n", namespace)
-    m = namespace["rebinds"]
+    namespace, m = rebinding_guard()
     assert turned_away(m) == {"Prefilled", "Sampled", "Added"}
     namespace["Kind"] = Sampled  # rebound by no code the engine ran: the decisions stand
     assert turned_away(m) == {"Prefilled", "Sampled", "Added"}
