@@ -221,7 +221,7 @@ class RequestMachine:
         if self._reads_logits:
             last, source = self._host, output.source
             self._read_logits = last is not None and last.was_lent(self._host_row)
-            self._host = output.host_logits()  # one host copy of the step's logits for every mod
+            self._host = output.host_logits(self._in_place())  # one host copy of the step's logits for every mod
             self._host_row = source[1] if source is not None else -1
         self._report_forward(row)
         if state.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
@@ -231,6 +231,20 @@ class RequestMachine:
             else:  # the loop dispatches it with every other request's whose prompt came in this step
                 self.prefilled_due = True
         return True
+
+    def _in_place(self) -> bool:
+        """Whether nothing reads this step's row of the logits after its mods but the forward's
+        sorted top, so that the mods may be lent the row itself (:meth:`HostLogits.share`): one mod
+        (the only reader: no listener, a result that does not keep logits), and a draw that is
+        the row's argmax unless a mod returns logits of its own — greedy, nothing applied before
+        it (no penalty, bias, ban or grammar, no stop token held back before ``min_tokens``), no
+        log-probs asked for."""
+        state = self.state
+        request = state.request
+        sampling = request.sampling
+        return (len(state.manager.mods) == 1 and state.on_event is None and not self._keep_logits
+                and sampling.greedy and sampling.plain and state.grammar is None and request.logprobs < 0
+                and len(state.generated) >= request.min_tokens)
 
     def prefilled(self) -> Phase[None]:
         """Prefilled and its actions, once its prompt is in (:attr:`prefilled_due`); the loop runs

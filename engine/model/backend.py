@@ -164,10 +164,11 @@ class RowOutput:
             self._top = (values[self.index], ids[self.index])
         return self._top
 
-    def host_logits(self) -> Any:
+    def host_logits(self, in_place: bool = False) -> Any:
         """The batch's :class:`~engine.model.tensor.HostLogits` with this row in it: the one host
         copy of the step's logits that every mod reading its request's logits shares (None for a
-        row on its own)."""
+        row on its own). ``in_place``: the caller vouches that nothing reads this row after its
+        mods but the forward's sorted top (:meth:`HostLogits.share`)."""
         batch = self._batch
         if batch is None:
             return None
@@ -175,9 +176,12 @@ class RowOutput:
         if host is None:
             from engine.model.tensor import HostLogits
 
-            host = HostLogits(batch.logits)
+            host = HostLogits(batch.logits, top=batch.top)
             object.__setattr__(batch, "host", host)
-        host.add(self.index)
+        if in_place:
+            host.share(self.index)
+        else:
+            host.add(self.index)
         return host
 
     @property

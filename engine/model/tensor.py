@@ -16,6 +16,13 @@ read its logits the step before: :meth:`HostLogits.copy_ahead`), and each row's 
 ``to_numpy()`` is a writable view of that copy — its own, as no other reader ever sees it (a
 second read of the same row gets a fresh copy). ``from_numpy`` of such a view (the usual
 edit-and-return of a logits mod) wraps it without copying again.
+
+A row nothing reads after its mods but the forward's sorted top (:meth:`HostLogits.share`: one mod,
+no listener, logits not kept, a plain greedy draw) is not copied at all on a CPU: its first
+``to_numpy()`` is the batch's own row. What its mod writes there, the engine never reads (the
+step's greedy choice is the first id of the top the forward sorted before any mod ran), unless the
+mod hands the row back as ``AdjustedLogits``; only the mod's own later reads of the row in that
+step see its writes. At 64 concurrent requests that is 12 MB a step neither copied nor written.
 """
 
 from __future__ import annotations
@@ -49,21 +56,51 @@ COPIER_START_S = 1.0
 class HostLogits:
     """One step's logits ``(B, V)`` as the mods of the requests in ``rows`` read them: one float32
     host copy of those rows, made at the first read (or ahead, :meth:`copy_ahead`); each row's first
-    :meth:`lend` is a ``(1, V)`` view of it, later ones None (the reader copies)."""
+    :meth:`lend` is a ``(1, V)`` view of it, later ones None (the reader copies). A row given with
+    :meth:`share` instead is lent in place: its first read is a view of the batch's own row.
 
-    def __init__(self, batch: torch.Tensor, rows: list[int] | None = None) -> None:
+    A lent view's *key* (what ``from_numpy`` records and :meth:`row_max` takes) is its slot in the
+    copy, or ``-1 - row`` for a row lent in place."""
+
+    def __init__(self, batch: torch.Tensor, rows: list[int] | None = None,
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.batch = batch
         self.slot = {row: j for j, row in enumerate(rows or ())}
+        self._top = top  # the forward's sorted top (values (B, k), ids (B, k)), when it computed one
         self._host: np.ndarray | None = None
         self._lent: set[int] = set()
-        self._views: dict[int, tuple[np.ndarray, int]] = {}  # id(view) -> (the view lent, its slot)
+        self._views: dict[int, tuple[np.ndarray, int]] = {}  # id(view) -> (the view lent, its key)
         self._lock = threading.Lock()  # mods of different requests may run on different threads
         self._maxima: tuple[list[float], list[int]] | None = None
         self._ahead: tuple[np.ndarray, Future[None]] | None = None  # a copy started by copy_ahead
+        self._shared: set[int] = set()  # the rows lent in place
+        self._rows: np.ndarray | None = None  # the batch itself, as numpy (rows lent in place are views of it)
+        self._row_maxima: dict[int, tuple[float, int]] = {}
+        self._untied: list[bool] | None = None  # per row: the forward's top two differ
 
     def add(self, row: int) -> None:
         """Row ``row``'s mods may read it (before anything is lent)."""
         self.slot.setdefault(row, len(self.slot))
+
+    def share(self, row: int) -> None:
+        """Row ``row``'s mods may read it, and the caller vouches that nothing reads the row after
+        them but its forward's sorted top (one mod is all that reads it, no listener, a result that
+        does not keep logits, a plain greedy draw): its first read is then a writable view of the
+        batch's own row, no copy — what a mod writes there, nothing the engine samples or records
+        ever reads (the forward sorted its top before any mod ran; the step's greedy choice is the
+        first of it). Only for a float32 batch on a CPU whose top two differ in that row (a tie
+        would send the draw back to the row); any other row is :meth:`add` ed."""
+        batch, top = self.batch, self._top
+        if batch.device.type != "cpu" or batch.dtype != torch.float32 or top is None or row in self.slot:
+            return self.add(row)
+        untied = self._untied
+        if untied is None:
+            values = top[0]
+            untied = self._untied = (values[:, 0] != values[:, 1]).tolist() if values.shape[1] > 1 \
+                else [False] * values.shape[0]
+        if not untied[row]:
+            return self.add(row)
+        self._shared.add(row)
 
     def was_lent(self, row: int) -> bool:
         """Whether row ``row`` was read (its first ``to_numpy()``)."""
@@ -103,7 +140,7 @@ class HostLogits:
     def lend(self, row: int) -> np.ndarray | None:
         j = self.slot.get(row)
         if j is None:
-            return None
+            return self._lend_in_place(row) if row in self._shared else None
         with self._lock:
             if row in self._lent:
                 return None
@@ -112,6 +149,23 @@ class HostLogits:
             view = host[j:j + 1]
             self._views[id(view)] = (view, j)
             return view
+
+    def _lend_in_place(self, row: int) -> np.ndarray | None:
+        with self._lock:
+            if row in self._lent:
+                return None
+            self._lent.add(row)
+            rows = self._rows
+            if rows is None:
+                rows = self._rows = self.batch.detach().numpy()  # the same memory: no copy
+                _LENT[id(rows)] = self
+            view = rows[row:row + 1]
+            self._views[id(view)] = (view, -1 - row)
+            return view
+
+    def owns(self, base: Any) -> bool:
+        """Whether ``base`` is an array this lent views of (the host copy, or the batch itself)."""
+        return base is not None and (base is self._host or base is self._rows)
 
     def _copy(self) -> np.ndarray:
         """The step's one host copy ``(M, V)``: the one :meth:`copy_ahead` started (waited for),
@@ -131,29 +185,50 @@ class HostLogits:
         return host
 
     def slot_of(self, array: np.ndarray) -> int | None:
-        """The slot whose whole row ``array`` is (a view of this copy), else None. The view this
-        lent is known at once (the usual edit-and-return); another view of a row is placed by its
+        """The key of the lent row whose whole row ``array`` is, else None. The view this lent is
+        known at once (the usual edit-and-return); another view of a row is placed by its
         address."""
         lent = self._views.get(id(array))
         if lent is not None and lent[0] is array:
             return lent[1]
-        host = self._host
-        if array.base is not host or host is None or array.size != host.shape[1]:
+        base = array.base
+        if base is None or not array.flags.c_contiguous:
             return None
-        offset = array.ctypes.data - host.ctypes.data
-        row_bytes = host.shape[1] * host.itemsize
-        return offset // row_bytes if offset % row_bytes == 0 and array.flags.c_contiguous else None
+        for whole, in_place in ((self._host, False), (self._rows, True)):
+            if whole is None or base is not whole or array.size != whole.shape[1]:
+                continue
+            offset = array.ctypes.data - whole.ctypes.data
+            index, rest = divmod(offset, whole.strides[0])
+            if rest or not 0 <= index < whole.shape[0]:
+                return None
+            if not in_place:
+                return index
+            return -1 - index if index in self._shared and index in self._lent else None
+        return None
 
-    def row_max(self, slot: int) -> tuple[float, int]:
-        """``(maximum, its first index)`` of lent row ``slot`` as its mod left it. Every row at once,
-        in one pass and one read into Python numbers, the first time it is asked: a phase's actions
-        are applied after all of its mod calls returned, so no row changes after that."""
+    def row_max(self, key: int) -> tuple[float, int]:
+        """``(maximum, its first index)`` of lent row ``key`` as its mod left it. Every row of the
+        copy at once (every row lent in place at once), in one pass and one read into Python
+        numbers, the first time it is asked: a phase's actions are applied after all of its mod
+        calls returned, so no row changes after that."""
         with self._lock:
+            if key < 0:
+                return self._in_place_max(-1 - key)
             if self._maxima is None:
                 values, indices = row_max(torch.from_numpy(self._host))  # (M,)
                 self._maxima = (values.tolist(), indices.tolist())
             values, indices = self._maxima
-        return values[slot], indices[slot]
+        return values[key], indices[key]
+
+    def _in_place_max(self, row: int) -> tuple[float, int]:
+        found = self._row_maxima
+        if row not in found:  # the first ask, or a row first read after it: every such row not yet read
+            rows = sorted(r for r in self._lent & self._shared if r not in found)
+            batch = self.batch.detach()
+            every = rows == list(range(batch.shape[0]))
+            values, indices = row_max(batch if every else batch[rows])
+            found.update(zip(rows, zip(values.tolist(), indices.tolist())))
+        return found[row]
 
 
 def _host_copy(batch: torch.Tensor, order: list[int]) -> np.ndarray:
@@ -290,7 +365,7 @@ class TensorShim:
         self._readonly = readonly
         self._source: tuple[torch.Tensor, int] | None = None
         self._host: HostLogits | None = None
-        self.lent: tuple[HostLogits, int] | None = None  # (the step's host copy, slot) when wrapping its whole row
+        self.lent: tuple[HostLogits, int] | None = None  # (the step's lender, the row's key) when wrapping a whole lent row
 
     @classmethod
     def row(cls, batch: torch.Tensor, index: int, host: HostLogits | None = None) -> "TensorShim":
@@ -321,7 +396,7 @@ class TensorShim:
         the mod's own copy."""
         base = getattr(array, "base", None)
         lender = _LENT.get(id(base)) if base is not None else None
-        if lender is not None and lender._host is base and array.dtype == np.float32:
+        if lender is not None and lender.owns(base) and array.dtype == np.float32:
             shim = cls(torch.from_numpy(array))
             slot = lender.slot_of(array)
             shim.lent = None if slot is None else (lender, slot)

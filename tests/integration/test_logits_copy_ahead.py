@@ -1,7 +1,8 @@
 """A step's logits are copied for its mods ahead of the mods (started from the step loop's thread,
 made on a thread of its own while the step's events are built) when a mod of a request read its
 logits the step before; otherwise at the first read, as always. Which of the two made the copy
-changes nothing a mod or a result can see."""
+changes nothing a mod or a result can see. (A row lent in place is never copied: these requests
+keep their logits, so their rows are copied.)"""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_the_copy_is_made_ahead_exactly_on_steps_after_a_read(reads_at, copy_whe
                 event.logits.to_numpy()
         return None
 
-    results = _run(reader)
+    results = _run(reader, keep_logits=True)  # kept logits: the rows are copied, never lent in place
     assert all(r.output_text == "hello world" for r in results)
     steps = sorted(seen)
     assert len(steps) == len("hello world") + 1

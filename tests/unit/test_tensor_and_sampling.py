@@ -182,6 +182,58 @@ def test_from_numpy_knows_a_lent_row_by_the_view_lent_and_by_any_other_view_of_t
     assert TensorShim.from_numpy(other).lent == (host, 0)
 
 
+def test_a_row_shared_in_place_is_lent_as_the_batchs_own_row_and_known_by_its_key():
+    """HostLogits.share: the row's first read is a writable view of the batch itself (no copy),
+    from_numpy of it (or of another view of the whole row) wraps it as it is under the key
+    ``-1 - row``, row_max reads the row as its mod left it; a second read is a copy of it; rows
+    given with add() are copied as before, in their own slots."""
+    from engine.model.backend import top_logprobs
+    from engine.model.tensor import HostLogits
+
+    batch = torch.randn(4, 600, generator=torch.Generator().manual_seed(0))
+    host = HostLogits(batch, top=top_logprobs(batch))
+    host.share(1)
+    host.share(3)
+    host.add(2)
+    view = host.lend(1)
+    assert view.shape == (1, 600) and np.shares_memory(view, batch.numpy())
+    view[0, 10] = 1e6  # the mod's edit, in place: the engine's own row
+    assert float(batch[1, 10]) == 1e6
+    wrapped = TensorShim.from_numpy(view)
+    assert wrapped.lent == (host, -2) and np.shares_memory(wrapped.tensor.numpy(), view)
+    assert TensorShim.from_numpy(view.reshape(600)).lent == (host, -2)  # another view of the whole row
+    assert TensorShim.from_numpy(view[:, :5]).lent is None  # part of a row
+    assert host.row_max(-2) == (1e6, 10)
+    other = host.lend(3)
+    assert TensorShim.from_numpy(other).lent == (host, -4)
+    assert host.row_max(-4) == (float(batch[3].max()), int(batch[3].argmax()))  # read after the first ask
+    again = host.lend(1)
+    assert again is None  # the shim then copies the row as it is now
+    copied = host.lend(2)
+    assert not np.shares_memory(copied, batch.numpy()) and TensorShim.from_numpy(copied).lent == (host, 0)
+    assert host.was_lent(1) and host.was_lent(3) and host.was_lent(2)
+
+
+@pytest.mark.parametrize("why", ["a tie at the top", "no sorted top", "bfloat16 logits"])
+def test_a_row_that_cannot_be_lent_in_place_is_copied(why):
+    """A row whose forward's top two are equal (the greedy draw would read the row to break the
+    tie), a batch without a sorted top, or logits that are not float32 on a CPU: share() copies."""
+    from engine.model.backend import top_logprobs
+    from engine.model.tensor import HostLogits
+
+    batch = torch.randn(3, 600, generator=torch.Generator().manual_seed(1))
+    if why == "a tie at the top":
+        batch[0, 7] = batch[0, 9] = batch[0].max() + 1.0
+    top = None if why == "no sorted top" else top_logprobs(batch)
+    if why == "bfloat16 logits":
+        batch = batch.to(torch.bfloat16)
+    host = HostLogits(batch, top=top)
+    host.share(0)
+    lent = host.lend(0)
+    assert lent.dtype == np.float32 and not np.shares_memory(lent, batch.float().numpy())
+    assert host.slot == {0: 0}
+
+
 @pytest.mark.parametrize("on_copier", [True, False], ids=["on the copier", "on the loop's thread (small)"])
 @pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 1]], ids=["every row", "some rows"])
 def test_a_copy_made_ahead_is_the_copy_a_first_read_would_make(rows, on_copier, monkeypatch):
