@@ -117,7 +117,7 @@ class HostLogits:
         OpenMP workers); none is made when the copier cannot take it (the first read copies).
         Nothing is lent; the copy is the one :meth:`lend` would make. Another batch (a GPU's) is
         still copied at the first read."""
-        if self._host is not None or self._ahead is not None:  # every request of the step calls it; one copies
+        if not self.slot or self._host is not None or self._ahead is not None:  # every request calls it; one copies
             return
         batch = self.batch
         if batch.device.type != "cpu" or batch.dtype != torch.float32:  # read at the first lend, as before
