@@ -78,6 +78,11 @@ class RequestMachine:
         self._wants_top = True  # the payload records each ForwardPass's top log-probs
         self._reads_logits = not self._mod_free  # its mods may read ForwardPass.logits
         self._keep_logits = state.request.keep_logits  # its result's ForwardPass events keep them
+        sampling = state.request.sampling
+        # its draw is the row's argmax, read from the forward's sorted top, unless a mod hands back
+        # logits (what lending its mod the row in place also needs: _in_place)
+        self._plain_greedy = (sampling.greedy and sampling.plain and state.request.grammar is None
+                              and state.request.logprobs < 0 and not self._keep_logits)
         # no mod and no listener: nothing sees its step events as they happen, so each step is a
         # compact trace entry (fast_step / fast_sample) and its events are made after it finished
         self.fast = self._mod_free and state.on_event is None
@@ -240,11 +245,8 @@ class RequestMachine:
         it (no penalty, bias, ban or grammar, no stop token held back before ``min_tokens``), no
         log-probs asked for."""
         state = self.state
-        request = state.request
-        sampling = request.sampling
-        return (len(state.manager.mods) == 1 and state.on_event is None and not self._keep_logits
-                and sampling.greedy and sampling.plain and state.grammar is None and request.logprobs < 0
-                and len(state.generated) >= request.min_tokens)
+        return (self._plain_greedy and state.grammar is None and len(state.manager.mods) == 1
+                and state.on_event is None and len(state.generated) >= state.request.min_tokens)
 
     def prefilled(self) -> Phase[None]:
         """Prefilled and its actions, once its prompt is in (:attr:`prefilled_due`); the loop runs

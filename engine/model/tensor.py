@@ -76,7 +76,7 @@ class HostLogits:
         self._shared: set[int] = set()  # the rows lent in place
         self._rows: np.ndarray | None = None  # the batch itself, as numpy (rows lent in place are views of it)
         self._row_maxima: dict[int, tuple[float, int]] = {}
-        self._untied: list[bool] | None = None  # per row: the forward's top two differ
+        self._untied: list[bool] | None = None  # per row: the forward's top two differ ([]: no row may be shared)
 
     def add(self, row: int) -> None:
         """Row ``row``'s mods may read it (before anything is lent)."""
@@ -90,15 +90,14 @@ class HostLogits:
         ever reads (the forward sorted its top before any mod ran; the step's greedy choice is the
         first of it). Only for a float32 batch on a CPU whose top two differ in that row (a tie
         would send the draw back to the row); any other row is :meth:`add` ed."""
-        batch, top = self.batch, self._top
-        if batch.device.type != "cpu" or batch.dtype != torch.float32 or top is None or row in self.slot:
-            return self.add(row)
         untied = self._untied
-        if untied is None:
-            values = top[0]
-            untied = self._untied = (values[:, 0] != values[:, 1]).tolist() if values.shape[1] > 1 \
-                else [False] * values.shape[0]
-        if not untied[row]:
+        if untied is None:  # read once a step: a tensor's device and dtype cost microseconds each read
+            batch, top = self.batch, self._top
+            values = top[0] if top is not None else None
+            untied = self._untied = (values[:, 0] != values[:, 1]).tolist() \
+                if batch.device.type == "cpu" and batch.dtype == torch.float32 and values is not None \
+                and values.shape[1] > 1 else []
+        if row >= len(untied) or not untied[row] or row in self.slot:
             return self.add(row)
         self._shared.add(row)
 
