@@ -80,7 +80,8 @@ class RequestMachine:
         self._keep_logits = state.request.keep_logits  # its result's ForwardPass events keep them
         sampling = state.request.sampling
         # its draw is the row's argmax, read from the forward's sorted top, unless a mod hands back
-        # logits (what lending its mod the row in place also needs: _in_place)
+        # logits — SampleRow.plain of its rows, but for the stop tokens min_tokens holds back, which
+        # change per step (_in_place checks those); and no result keeps its logits
         self._plain_greedy = (sampling.greedy and sampling.plain and state.request.grammar is None
                               and state.request.logprobs < 0 and not self._keep_logits)
         # no mod and no listener: nothing sees its step events as they happen, so each step is a
@@ -245,7 +246,7 @@ class RequestMachine:
         it (no penalty, bias, ban or grammar, no stop token held back before ``min_tokens``), no
         log-probs asked for."""
         state = self.state
-        return (self._plain_greedy and state.grammar is None and len(state.manager.mods) == 1
+        return (self._plain_greedy and len(state.manager.mods) == 1
                 and state.on_event is None and len(state.generated) >= state.request.min_tokens)
 
     def prefilled(self) -> Phase[None]:
