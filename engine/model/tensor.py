@@ -224,8 +224,14 @@ class HostLogits:
         if row not in found:  # the first ask, or a row first read after it: every such row not yet read
             rows = sorted(r for r in self._lent & self._shared if r not in found)
             batch = self.batch.detach()
-            every = rows == list(range(batch.shape[0]))
-            values, indices = row_max(batch if every else batch[rows])
+            if 2 * len(rows) >= batch.shape[0]:
+                # most of the batch (a step's rows still feeding their prompts are not lent): one
+                # pass over all of it reads a row or two more, a gather would copy the rest first
+                values, indices = row_max(batch)
+                if len(rows) < batch.shape[0]:
+                    values, indices = values[rows], indices[rows]
+            else:
+                values, indices = row_max(batch[rows])
             found.update(zip(rows, zip(values.tolist(), indices.tolist())))
         return found[row]
 

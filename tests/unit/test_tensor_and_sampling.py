@@ -214,6 +214,32 @@ def test_a_row_shared_in_place_is_lent_as_the_batchs_own_row_and_known_by_its_ke
     assert host.was_lent(1) and host.was_lent(3) and host.was_lent(2)
 
 
+def test_rows_lent_in_place_are_checked_over_the_whole_batch_when_they_are_most_of_it(monkeypatch):
+    """A step's rows lent in place are checked in one pass over the whole batch when they are most
+    of it (rows still feeding a prompt are not lent: gathering the others first would copy them),
+    and gathered when few; either way each lent row's maximum is the one its mod left, and a row
+    nobody was lent is never reported."""
+    from engine.model import tensor
+    from engine.model.backend import top_logprobs
+    from engine.model.tensor import HostLogits
+
+    searched = []
+    real = tensor.row_max
+    monkeypatch.setattr(tensor, "row_max", lambda x: searched.append(x.shape[0]) or real(x))
+    batch = torch.randn(6, 700, generator=torch.Generator().manual_seed(2))
+    host = HostLogits(batch, top=top_logprobs(batch))
+    for row in range(6):
+        host.share(row)
+    for row, where in ((0, 5), (1, 300), (2, 699), (4, 512)):  # four of six rows
+        host.lend(row)[0, where] = 1e6 + row
+    batch[3, 0] = 2e6  # a row nobody was lent
+    assert [host.row_max(-1 - row) for row in (0, 1, 2, 4)] == [(1e6, 5), (1e6 + 1, 300), (1e6 + 2, 699),
+                                                                 (1e6 + 4, 512)]
+    host.lend(5)[0, 1] = 3e6  # read after the first ask: only it, gathered
+    assert host.row_max(-6) == (3e6, 1)
+    assert searched == [6, 1]
+
+
 @pytest.mark.parametrize("why", ["a tie at the top", "no sorted top", "bfloat16 logits"])
 def test_a_row_that_cannot_be_lent_in_place_is_copied(why):
     """A row whose forward's top two are equal (the greedy draw would read the row to break the
