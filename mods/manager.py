@@ -167,6 +167,11 @@ class _Pending:
         return mod_name(self.mod)
 
     @property
+    def action(self) -> ModAction | None:
+        """What the call returned (None while it has not returned)."""
+        return None if self.outcome is None else self.outcome[0]
+
+    @property
     def quiet(self) -> bool:
         """It returned a Noop and printed, logged and raised nothing (an abandoned call is not)."""
         outcome = self.outcome
@@ -214,6 +219,12 @@ class _Pending:
         self.outcome = (action, exception, rejected, fatal)
 
 
+#: Called on the mods' thread when a batch of calls has returned, before the caller is woken: may
+#: return work that thread then does while the caller goes on (the engine checks the rows of logits
+#: the calls handed back while it applies their other actions); the next batch waits for it.
+FollowUp = Callable[[list["_Pending"]], "Callable[[], Any] | None"]
+
+
 class _Worker:
     """A daemon thread that runs the calls handed to it, in order, one at a time.
 
@@ -225,8 +236,10 @@ class _Worker:
     current call, or at once when idle.
     """
 
-    def __init__(self, after_batch: Callable[[], Any] | None = None) -> None:
+    def __init__(self, after_batch: Callable[[], Any] | None = None,
+                 follow_up: FollowUp | None = None) -> None:
         self._after_batch = after_batch
+        self._follow_up = follow_up
         self._go = threading.Lock()
         self._go.acquire()
         self._finished = threading.Lock()
@@ -258,7 +271,18 @@ class _Worker:
                     self._after_batch()
                 except Exception:  # a housekeeping hook never ends the worker
                     log.exception("the mod worker's after-batch hook failed")
+            work = None
+            if self._follow_up is not None:
+                try:
+                    work = self._follow_up(batch)
+                except Exception:
+                    log.exception("the mod worker's follow-up hook failed")
             self._finished.release()
+            if work is not None:  # the caller goes on meanwhile; a next batch waits for it
+                try:
+                    work()
+                except Exception:
+                    log.exception("the mod worker's follow-up work failed")
 
     def submit(self, batch: list[_Pending], context: contextvars.Context) -> None:
         """Run ``batch`` in order in ``context`` (a copy of the caller's: the capture buffer and
@@ -307,10 +331,12 @@ class CallRunner:
     be abandoned. One runner serves a whole step's calls of many requests at once
     (:func:`dispatch_batch`), so a step pays one thread hand-off per phase, not one per call.
     ``after_batch``: called on the worker thread after each batch of calls returned (the engine
-    gives back the OpenMP workers a mod's torch ops may have made that thread hold)."""
+    gives back the OpenMP workers a mod's torch ops may have made that thread hold); ``follow_up``:
+    see :data:`FollowUp`."""
 
-    def __init__(self, after_batch: Callable[[], Any] | None = None) -> None:
+    def __init__(self, after_batch: Callable[[], Any] | None = None, follow_up: FollowUp | None = None) -> None:
         self._after_batch = after_batch
+        self._follow_up = follow_up
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
 
@@ -322,7 +348,7 @@ class CallRunner:
             while calls:
                 worker = self._worker
                 if worker is None:
-                    worker = self._worker = _Worker(self._after_batch)
+                    worker = self._worker = _Worker(self._after_batch, self._follow_up)
                 # a fresh copy each time: an abandoned call may still be running in the last one
                 worker.submit(calls, contextvars.copy_context())
                 try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -24,8 +24,8 @@ from engine.core.events import released_logits
 from engine.core.request import RequestState
 from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
-from engine.model.tensor import TensorShim, as_torch
-from mods.manager import ModCall
+from engine.model.tensor import HostLogits, TensorShim, as_torch
+from mods.manager import ModCall, PendingCall
 from mods.tensor import MaskedLogits
 from mods.validation import ALLOWED_ACTIONS, InvalidActionError, check_action_values, check_steer, check_token_ids
 from mods.types import (
@@ -46,7 +46,7 @@ from mods.types import (
     ToolCalls,
 )
 
-__all__ = ["PhaseActions", "StepPlan", "SteerSource", "Call"]
+__all__ = ["PhaseActions", "StepPlan", "SteerSource", "Call", "check_handed_back"]
 
 
 class SteerSource(Protocol):
@@ -75,6 +75,28 @@ class StepPlan:
     sampling: SamplingParams | None = None
     backtracked: bool = False
     reinject: list[int] = field(default_factory=list)
+
+
+def check_handed_back(calls: list[PendingCall]) -> Callable[[], None] | None:
+    """The check :meth:`PhaseActions.adjust_logits` makes of each row of a step's logits that a
+    mod handed back as it was lent (its maximum: finite, and the greedy choice), as work for the
+    mods' thread to do once the calls have returned, while the step loop's thread records them and
+    applies the rest (:data:`mods.manager.FollowUp`)."""
+    keys: dict[HostLogits, list[int]] = {}
+    for pending in calls:
+        action = pending.action
+        if type(action) is AdjustedLogits:
+            lent = getattr(action.logits, "lent", None) if type(action.logits) is TensorShim else None
+            if lent is not None:
+                keys.setdefault(lent[0], []).append(lent[1])
+    work = [check for lender, lent_keys in keys.items() if (check := lender.check_ahead(lent_keys)) is not None]
+    if len(work) < 2:
+        return work[0] if work else None
+
+    def every() -> None:  # engines over one loop share the mods' thread: a lender each
+        for check in work:
+            check()
+    return every
 
 
 class PhaseActions:

@@ -37,6 +37,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
+from engine.core.actions import check_handed_back
 from engine.core.jobs import Job, JobHandle
 from engine.core.kv_manager import KVManager
 from engine.core.phases import drive, run_guarded
@@ -84,8 +85,9 @@ class StepLoop:
         self._jobs: collections.deque[Job] = collections.deque()  # embeddings, scoring, captures: a unit a step
         self._sampled_at: float | None = None
         # where every request's mod calls run, a phase of a step at a time; after each phase the mods'
-        # thread gives back any OpenMP workers their torch ops made it hold (engine/model/openmp.py)
-        self.mod_calls = CallRunner(after_batch=release_thread_team)
+        # thread gives back any OpenMP workers their torch ops made it hold (engine/model/openmp.py),
+        # then checks the rows of logits they handed back while this thread applies the rest
+        self.mod_calls = CallRunner(after_batch=release_thread_team, follow_up=check_handed_back)
         self.scheduler.mod_calls = self.mod_calls
 
     @classmethod

@@ -31,8 +31,8 @@ import functools
 import os
 import threading
 import weakref
-from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import Future, wait
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -48,6 +48,18 @@ _LENT: "weakref.WeakValueDictionary[int, HostLogits]" = weakref.WeakValueDiction
 #: A copy made ahead smaller than this is made on the step loop's thread: the copier's wake-up
 #: (0.1-0.25 ms on a 2-core VM) would cost more than the copy (8 rows × 49,152: ~0.1 ms).
 AHEAD_MIN_BYTES = 2 << 20
+#: Rows handed back smaller than this in all are not checked ahead (:meth:`HostLogits.check_ahead`):
+#: the step loop's thread has only a few tenths of a millisecond of other work to do meanwhile,
+#: and the hand-over costs about a tenth (measured on a 2-core VM, 49,152 ids a row: at 32 rows, 6
+#: MB, the check ahead saved the loop's thread 0.05 ms a step and cost it 0.15; at 64, 12 MB, it
+#: saved 0.54 and cost 0.09).
+CHECK_AHEAD_MIN_BYTES = 8 << 20
+#: The share of the rows checked ahead that the mods' thread searches: it starts some tenths of a
+#: millisecond before the step loop's thread asks for the first row, which then searches the rest
+#: (at 64 rows of 49,152 ids on a 2-core VM, the loop's thread spent 1.20 ms a step checking with
+#: 2/3 searched ahead, 1.31 with 1/2, 1.39-1.56 with all and 1.76-2.02 with none: the two cores
+#: share the memory bandwidth the search is bound by).
+CHECK_AHEAD_SHARE = 2 / 3
 #: The longest the step loop waits for the copier to take a copy (it may be finishing the last
 #: step's, a few ms at most) before it gives up on that copier.
 COPIER_START_S = 1.0
@@ -71,11 +83,12 @@ class HostLogits:
         self._lent: set[int] = set()
         self._views: dict[int, tuple[np.ndarray, int]] = {}  # id(view) -> (the view lent, its key)
         self._lock = threading.Lock()  # mods of different requests may run on different threads
-        self._maxima: tuple[list[float], list[int]] | None = None
         self._ahead: tuple[np.ndarray, Future[None]] | None = None  # a copy started by copy_ahead
         self._shared: set[int] = set()  # the rows lent in place
         self._rows: np.ndarray | None = None  # the batch itself, as numpy (rows lent in place are views of it)
-        self._row_maxima: dict[int, tuple[float, int]] = {}
+        self._found: dict[int, tuple[float, int]] = {}  # a lent row's key -> (maximum, its first index)
+        self._checking: Future[None] | None = None  # the search :meth:`check_ahead` started
+        self._ahead_keys: frozenset[int] = frozenset()  # the keys it searches
         self._untied: list[bool] | None = None  # per row: the forward's top two differ ([]: no row may be shared)
 
     def add(self, row: int) -> None:
@@ -206,34 +219,90 @@ class HostLogits:
         return None
 
     def row_max(self, key: int) -> tuple[float, int]:
-        """``(maximum, its first index)`` of lent row ``key`` as its mod left it. Every row of the
-        copy at once (every row lent in place at once), in one pass and one read into Python
-        numbers, the first time it is asked: a phase's actions are applied after all of its mod
-        calls returned, so no row changes after that."""
+        """``(maximum, its first index)`` of lent row ``key`` as its mod left it. Every lent row not
+        yet searched is searched the first time one is asked (in one pass, read into Python numbers
+        at once), but for those :meth:`check_ahead` is searching on another thread, which this
+        waits for: a phase's actions are applied after all of its mod calls returned, so no row
+        changes after that."""
         with self._lock:
-            if key < 0:
-                return self._in_place_max(-1 - key)
-            if self._maxima is None:
-                values, indices = row_max(torch.from_numpy(self._host))  # (M,)
-                self._maxima = (values.tolist(), indices.tolist())
-            values, indices = self._maxima
-        return values[key], indices[key]
+            found = self._found.get(key)
+            if found is not None:
+                return found
+            ahead = self._ahead_keys
+            rest = [k for k in self._lent_keys() if k not in self._found and k not in ahead]
+            if rest:
+                self._found.update(self._maxima_of(rest))
+            found = self._found.get(key)
+            checking = self._checking
+        if found is None and checking is not None:  # the check ahead's
+            wait([checking])  # an error there is searched again below: this row's is its own
+            found = self._found.get(key)
+        if found is None:
+            with self._lock:
+                found = self._found[key] = self._maxima_of([key])[key]
+        return found
 
-    def _in_place_max(self, row: int) -> tuple[float, int]:
-        found = self._row_maxima
-        if row not in found:  # the first ask, or a row first read after it: every such row not yet read
-            rows = sorted(r for r in self._lent & self._shared if r not in found)
-            batch = self.batch.detach()
-            if 2 * len(rows) >= batch.shape[0]:
-                # most of the batch (a step's rows still feeding their prompts are not lent): one
-                # pass over all of it reads a row or two more, a gather would copy the rest first
-                values, indices = row_max(batch)
-                if len(rows) < batch.shape[0]:
-                    values, indices = values[rows], indices[rows]
+    def check_ahead(self, keys: Iterable[int]) -> Callable[[], None] | None:
+        """Start the check :meth:`row_max` makes of the lent rows ``keys`` (those a phase's mods
+        handed back): returns work for another thread to do at once, a search of
+        :data:`CHECK_AHEAD_SHARE` of them, while the step loop's thread records the phase's calls;
+        the first :meth:`row_max` then searches the rest itself, the two cores reading at the same
+        time (at 64 concurrent requests the rows are 12 MB, 1.5-2 ms to search on one core). None
+        when the rows are fewer than :data:`CHECK_AHEAD_MIN_BYTES`, or a check is under way
+        already. Called once the phase's mod calls have all returned, before any of its actions is
+        applied."""
+        with self._lock:
+            if self._checking is not None and not self._checking.done():
+                return None
+            need = sorted({key for key in keys if key not in self._found})
+            ahead = need[round(len(need) * (1 - CHECK_AHEAD_SHARE)):]
+            if len(need) * self.batch.shape[1] * 4 < CHECK_AHEAD_MIN_BYTES or not ahead:
+                return None
+            checking: Future[None] = Future()
+            self._checking, self._ahead_keys = checking, frozenset(ahead)
+
+        def check() -> None:
+            try:  # numpy's searches release the GIL: the step loop's thread runs meanwhile
+                found = self._maxima_of(ahead)
+                with self._lock:
+                    self._found.update(found)
+            except BaseException as err:  # the readers search again, each its own row
+                checking.set_exception(err)
+                raise
             else:
-                values, indices = row_max(batch[rows])
-            found.update(zip(rows, zip(values.tolist(), indices.tolist())))
-        return found[row]
+                checking.set_result(None)
+        return check
+
+    def _lent_keys(self) -> list[int]:
+        """The keys of every row lent so far."""
+        slot = self.slot
+        return [slot[row] if row in slot else -1 - row for row in self._lent]
+
+    def _maxima_of(self, keys: list[int]) -> dict[int, tuple[float, int]]:
+        """``{key: (maximum, its first index)}`` of the lent rows ``keys``."""
+        found: dict[int, tuple[float, int]] = {}
+        copied = sorted(key for key in keys if key >= 0)
+        if copied:
+            found.update(zip(copied, _row_maxima(torch.from_numpy(self._host), copied)))  # type: ignore[arg-type]
+        in_place = sorted(-1 - key for key in keys if key < 0)
+        if in_place:
+            found.update(zip((-1 - row for row in in_place), _row_maxima(self.batch.detach(), in_place)))
+        return found
+
+
+def _row_maxima(rows: torch.Tensor, which: list[int]) -> list[tuple[float, int]]:
+    """``(maximum, its first index)`` of each of ``rows``' rows ``which`` (sorted), in one pass: over
+    the span they lie in when they are most of it (a row or two more read is cheaper than a gather
+    copying the rest first), else over a gathered copy."""
+    first, last = which[0], which[-1]
+    if 2 * len(which) >= last + 1 - first:
+        values, indices = row_max(rows[first:last + 1])
+        if len(which) < last + 1 - first:
+            picked = [row - first for row in which]
+            values, indices = values[picked], indices[picked]
+    else:
+        values, indices = row_max(rows[which])
+    return list(zip(values.tolist(), indices.tolist()))
 
 
 def _host_copy(batch: torch.Tensor, order: list[int]) -> np.ndarray:

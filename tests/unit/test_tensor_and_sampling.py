@@ -214,11 +214,11 @@ def test_a_row_shared_in_place_is_lent_as_the_batchs_own_row_and_known_by_its_ke
     assert host.was_lent(1) and host.was_lent(3) and host.was_lent(2)
 
 
-def test_rows_lent_in_place_are_checked_over_the_whole_batch_when_they_are_most_of_it(monkeypatch):
-    """A step's rows lent in place are checked in one pass over the whole batch when they are most
-    of it (rows still feeding a prompt are not lent: gathering the others first would copy them),
-    and gathered when few; either way each lent row's maximum is the one its mod left, and a row
-    nobody was lent is never reported."""
+def test_rows_lent_in_place_are_checked_over_the_span_they_lie_in_when_they_are_most_of_it(monkeypatch):
+    """A step's rows lent in place are checked in one pass over the span of the batch they lie in
+    when they are most of it (rows still feeding a prompt are not lent: gathering the others first
+    would copy them), and gathered when few; either way each lent row's maximum is the one its mod
+    left, and a row nobody was lent is never reported."""
     from engine.model import tensor
     from engine.model.backend import top_logprobs
     from engine.model.tensor import HostLogits
@@ -235,9 +235,63 @@ def test_rows_lent_in_place_are_checked_over_the_whole_batch_when_they_are_most_
     batch[3, 0] = 2e6  # a row nobody was lent
     assert [host.row_max(-1 - row) for row in (0, 1, 2, 4)] == [(1e6, 5), (1e6 + 1, 300), (1e6 + 2, 699),
                                                                  (1e6 + 4, 512)]
-    host.lend(5)[0, 1] = 3e6  # read after the first ask: only it, gathered
+    host.lend(5)[0, 1] = 3e6  # read after the first ask: only it
     assert host.row_max(-6) == (3e6, 1)
-    assert searched == [6, 1]
+    assert searched == [5, 1]  # rows 0-4 (row 3 read too), then row 5
+
+
+def test_a_check_ahead_searches_its_share_and_the_reader_the_rest_waiting_for_it_or_searching_again(monkeypatch):
+    """:meth:`HostLogits.check_ahead` takes two thirds of the rows handed back (none when they are
+    few: the threshold); the reader searches the rest at once and waits for the work for the
+    others; when that work failed, each reader searches its own row again."""
+    import threading
+
+    from engine.model import tensor
+    from engine.model.backend import top_logprobs
+    from engine.model.tensor import HostLogits
+
+    def lent_host():
+        batch = torch.randn(6, 700, generator=torch.Generator().manual_seed(3))
+        host = HostLogits(batch, top=top_logprobs(batch))
+        for row in range(6):
+            host.share(row)
+            host.lend(row)[0, 10 * row] = 1e6 + row
+        return host
+    keys = [-1 - row for row in range(6)]
+    expected = {key: (1e6 - 1 - key, -10 * (1 + key)) for key in keys}
+    assert lent_host().check_ahead(keys) is None  # 6 rows of 700: far under the threshold
+
+    monkeypatch.setattr(tensor, "CHECK_AHEAD_MIN_BYTES", 0)
+    searched = []
+    real = tensor.row_max
+    monkeypatch.setattr(tensor, "row_max", lambda x: searched.append(x.shape[0]) or real(x))
+    host = lent_host()
+    work = host.check_ahead(keys)
+    assert work is not None and host.check_ahead(keys) is None  # one under way at a time
+    got = {}
+    reader = threading.Thread(target=lambda: got.update({key: host.row_max(key) for key in keys}))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and searched == [2], "the reader searched its third and waits for the rest"
+    work()
+    reader.join(10)
+    assert got == expected and searched == [2, 4]
+
+    def failing(x):
+        if threading.current_thread() is worker:
+            raise MemoryError("the check ahead failed")
+        return real(x)
+    monkeypatch.setattr(tensor, "row_max", failing)
+    host = lent_host()
+    failed = host.check_ahead(keys)
+
+    def run_failed():
+        with pytest.raises(MemoryError):  # raised on (the mods' thread logs it)
+            failed()
+    worker = threading.Thread(target=run_failed)
+    worker.start()
+    worker.join(10)
+    assert {key: host.row_max(key) for key in keys} == expected
 
 
 @pytest.mark.parametrize("why", ["a tie at the top", "no sorted top", "bfloat16 logits"])

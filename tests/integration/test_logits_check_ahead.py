@@ -1,0 +1,99 @@
+"""The rows of a step's logits that mods hand back (``AdjustedLogits`` of the row they were lent) are
+checked (finite, and their greedy choice found) partly on the mods' thread, started as soon as the
+phase's calls have returned, while the step loop's thread records the calls and searches the rest.
+Which thread searched a row changes nothing a mod or a result can see: outputs, events, payloads
+and the fault a non-finite row is."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from engine.model import tensor
+from engine.model.tensor import HostLogits
+from mods import ForwardPass
+from mods.types import AdjustedLogits
+from tests.core_fixtures import _payload as timeless  # the payload less its times and request id
+from tests.helpers import CharTokenizer, assert_payload_valid, scripted_engine
+
+TOK = CharTokenizer()
+N = 4  # requests admitted together: one batch, at the same step throughout
+
+
+def _run(mod: Any, **generation: Any) -> list[Any]:
+    eng = scripted_engine(**generation)
+    try:
+        with eng.loop.admission_held():
+            handles = [eng.submit(input_ids=TOK.encode("Q:"), mods=[mod]) for _ in range(N)]
+        return [h.result(timeout=60) for h in handles]
+    finally:
+        eng.close()
+
+
+def _ban_best(poison_request: int | None = None):
+    """Bans each step's best token and hands the row back; the ``poison_request``-th request to
+    reach step 2 hands back a row of -inf there (nothing can be sampled from it: a fault)."""
+    order: list[str] = []
+
+    def ban_best(event, tokenizer=None):
+        if not isinstance(event, ForwardPass) or event.step >= 6:
+            return None
+        logits = event.logits.to_numpy()
+        logits[0, int(logits.argmax())] = -1e9
+        if event.step == 2 and poison_request is not None:
+            order.append(event.request_id)
+            if len(order) == poison_request + 1:
+                logits[0, :] = float("-inf")
+        return AdjustedLogits(type(event.logits).from_numpy(logits))
+    return ban_best
+
+
+def _same(a: Any, b: Any) -> None:
+    assert (a.output_text, a.sequence_ids, a.finish_reason, a.error) == \
+        (b.output_text, b.sequence_ids, b.finish_reason, b.error)
+    assert [type(e).__name__ for e in a.events] == [type(e).__name__ for e in b.events]
+    assert_payload_valid(a.payload)
+    for part in ("events", "mod_calls", "actions", "mod_logs"):
+        assert timeless(a.payload[part]) == timeless(b.payload[part]), part
+
+
+@pytest.fixture
+def searched_ahead(monkeypatch) -> list[tuple[str, int]]:
+    """Every check ahead (the tests' vocabulary is small: the threshold is lifted), as (the thread
+    that searched, rows searched)."""
+    monkeypatch.setattr(tensor, "CHECK_AHEAD_MIN_BYTES", 0)
+    seen: list[tuple[str, int]] = []
+    real = HostLogits._maxima_of
+
+    def maxima_of(self, keys):
+        seen.append((threading.current_thread().name, len(keys)))
+        return real(self, keys)
+    monkeypatch.setattr(HostLogits, "_maxima_of", maxima_of)
+    return seen
+
+
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["lent in place", "copied"])
+@pytest.mark.parametrize("poison", [None, 1], ids=["every row usable", "one request's row all -inf"])
+def test_rows_handed_back_are_checked_ahead_with_the_results_of_a_check_on_the_loops_thread(
+        keep_logits, poison, searched_ahead, monkeypatch):
+    ahead = _run(_ban_best(poison), keep_logits=keep_logits)
+    on_the_mods_thread = [n for name, n in searched_ahead if name == "raylens-mod-call"]
+    # of each step's four rows handed back, the mods' thread searched three (2/3, rounded), the
+    # loop's thread the other; once the poisoned request has failed, two of three
+    assert set(on_the_mods_thread) == ({3} if poison is None else {3, 2}), searched_ahead
+    assert {n for name, n in searched_ahead if name != "raylens-mod-call"} == {1}, searched_ahead
+
+    monkeypatch.setattr(HostLogits, "check_ahead", lambda self, keys: None)
+    searched_ahead.clear()
+    reference = _run(_ban_best(poison), keep_logits=keep_logits)
+    assert searched_ahead and all(name != "raylens-mod-call" for name, _ in searched_ahead)
+
+    assert ahead[0].output_text != "hello world" or poison == 0  # the bans took effect
+    if poison is not None:
+        assert sorted(r.finish_reason.value for r in ahead).count("error") == 1
+        failed = next(r for r in ahead if r.finish_reason.value == "error")
+        assert "must be finite" in failed.error
+    for a, b in zip(sorted(ahead, key=lambda r: r.error or ""), sorted(reference, key=lambda r: r.error or "")):
+        _same(a, b)
