@@ -52,8 +52,8 @@ from .event_guard import forget_decisions, turns_away, turns_away_kind
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
-__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "CallRunner", "PendingCall",
-           "dispatch_batch", "run_batch", "abandoned_mod_threads", "mod_name"]
+__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "CallRunner", "FollowUp",
+           "PendingCall", "dispatch_batch", "run_batch", "abandoned_mod_threads", "mod_name"]
 
 log = logging.getLogger("raylens.mods")
 

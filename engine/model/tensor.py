@@ -60,6 +60,10 @@ CHECK_AHEAD_MIN_BYTES = 8 << 20
 #: 2/3 searched ahead, 1.31 with 1/2, 1.39-1.56 with all and 1.76-2.02 with none: the two cores
 #: share the memory bandwidth the search is bound by).
 CHECK_AHEAD_SHARE = 2 / 3
+#: The longest :meth:`HostLogits.row_max` waits for a check started ahead (which takes milliseconds)
+#: before it searches the row itself: a check that was registered but never ran must not stall the
+#: loop.
+CHECK_AHEAD_WAIT_S = 1.0
 #: The longest the step loop waits for the copier to take a copy (it may be finishing the last
 #: step's, a few ms at most) before it gives up on that copier.
 COPIER_START_S = 1.0
@@ -235,7 +239,8 @@ class HostLogits:
             found = self._found.get(key)
             checking = self._checking
         if found is None and checking is not None:  # the check ahead's
-            wait([checking])  # an error there is searched again below: this row's is its own
+            # an error there, or a check that never ran, is searched again below: this row's is its own
+            wait([checking], timeout=CHECK_AHEAD_WAIT_S)
             found = self._found.get(key)
         if found is None:
             with self._lock:

@@ -243,7 +243,7 @@ def test_rows_lent_in_place_are_checked_over_the_span_they_lie_in_when_they_are_
 def test_a_check_ahead_searches_its_share_and_the_reader_the_rest_waiting_for_it_or_searching_again(monkeypatch):
     """:meth:`HostLogits.check_ahead` takes two thirds of the rows handed back (none when they are
     few: the threshold); the reader searches the rest at once and waits for the work for the
-    others; when that work failed, each reader searches its own row again."""
+    others; when that work failed, or never ran, each reader searches its own row again."""
     import threading
 
     from engine.model import tensor
@@ -292,6 +292,11 @@ def test_a_check_ahead_searches_its_share_and_the_reader_the_rest_waiting_for_it
     worker.start()
     worker.join(10)
     assert {key: host.row_max(key) for key in keys} == expected
+
+    monkeypatch.setattr(tensor, "CHECK_AHEAD_WAIT_S", 0.05)
+    host = lent_host()
+    assert host.check_ahead(keys) is not None  # registered, and its work never run
+    assert {key: host.row_max(key) for key in keys} == expected  # searched here after the bounded wait
 
 
 @pytest.mark.parametrize("why", ["a tie at the top", "no sorted top", "bfloat16 logits"])
