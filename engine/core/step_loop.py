@@ -8,7 +8,9 @@
            → scheduler.update()   KV and prefix index recorded; each request takes its row
            → each ready request's step(): ForwardPass → its mods → what to sample
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
-             (the mods of every request see a phase's events together: one hand-off per round)
+             (the mods of every request see a phase's events together: one hand-off per round;
+             a request whose Sampled and Added nobody hears ends its step with on_sample_now(),
+             no phase)
            → scheduler.retire()   finished requests leave; their results are built off this thread
 
 The loop only calls those, in that order; it reads no request's state. What one request does —
@@ -315,9 +317,16 @@ class StepLoop:
         for (entry, _), sample in zip(sampling[:split], samples[:split]):
             if run_guarded(entry.machine, entry.machine.fast_sample, sample, now):
                 self._held.append(entry)
-        held = drive([(e.machine, e.machine.on_sample(s)) for (e, _), s in zip(sampling[split:], samples[split:])],
-                     self.mod_calls)
-        self._held += [e for (e, _), hold in zip(sampling[split:], held) if hold]
+        driven = []  # those whose Sampled or Added someone hears: a phase each, driven together
+        for (entry, _), sample in zip(sampling[split:], samples[split:]):
+            machine = entry.machine
+            hold = run_guarded(machine, machine.on_sample_now, sample) if sample is not None else None
+            if sample is None or hold is None and not machine.finished:  # (a fault there failed it)
+                driven.append((entry, sample))
+            elif hold:
+                self._held.append(entry)
+        held = drive([(e.machine, e.machine.on_sample(s)) for e, s in driven], self.mod_calls)
+        self._held += [e for (e, _), hold in zip(driven, held) if hold]
         self.stats.steps += 1
         self._retire()
 
