@@ -321,7 +321,7 @@ class StepLoop:
         for (entry, _), sample in zip(sampling[split:], samples[split:]):
             machine = entry.machine
             hold = run_guarded(machine, machine.on_sample_now, sample) if sample is not None else None
-            if sample is None or hold is None and not machine.finished:  # (a fault there failed it)
+            if sample is None or (hold is None and not machine.finished):  # (a fault there failed it)
                 driven.append((entry, sample))
             elif hold:
                 self._held.append(entry)

@@ -237,7 +237,7 @@ class HostLogits:
             if rest:
                 self._found.update(self._maxima_of(rest))
             found = self._found.get(key)
-            checking = self._checking
+            checking = self._checking if key in ahead else None
         if found is None and checking is not None:  # the check ahead's
             # an error there, or a check that never ran, is searched again below: this row's is its own
             wait([checking], timeout=CHECK_AHEAD_WAIT_S)

@@ -90,7 +90,7 @@ def test_rows_handed_back_are_checked_ahead_with_the_results_of_a_check_on_the_l
     reference = _run(_ban_best(poison), keep_logits=keep_logits)
     assert searched_ahead and all(name != "raylens-mod-call" for name, _ in searched_ahead)
 
-    assert ahead[0].output_text != "hello world" or poison == 0  # the bans took effect
+    assert ahead[0].output_text != "hello world"  # the bans took effect
     if poison is not None:
         assert sorted(r.finish_reason.value for r in ahead).count("error") == 1
         failed = next(r for r in ahead if r.finish_reason.value == "error")
