@@ -75,6 +75,8 @@ class StepPlan:
     sampling: SamplingParams | None = None
     backtracked: bool = False
     reinject: list[int] = field(default_factory=list)
+    # an AdjustedLogits of a lent row whose check waits for the step's draw (PhaseActions.settle)
+    unchecked: tuple[Call, tuple[HostLogits, int]] | None = None
 
 
 def check_handed_back(calls: list[PendingCall]) -> Callable[[], None] | None:
@@ -224,7 +226,10 @@ class PhaseActions:
         self.applied(item, None if erase == wanted else f"erased {erase} of {wanted}: prompt tokens are kept")
         return reinject
 
-    def adjust_logits(self, item: Call, action: AdjustedLogits, plan: StepPlan) -> None:
+    def adjust_logits(self, item: Call, action: AdjustedLogits, plan: StepPlan, *, last: bool = False) -> None:
+        """A mod's replacement logits for this step's draw, checked first. ``last``: no action of
+        the phase follows; then the check of a lent row (the usual edit-and-return) is left to
+        :meth:`settle`, just before the draw."""
         vocab = self.vocab_size
         # the only value checked before the logits is token_temp: None, 0 (greedy) or finite > 0
         if action.token_temp is not None and not self.valid(item):
@@ -247,23 +252,42 @@ class PhaseActions:
         if logits.numel() != vocab:
             return self.fault(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
                                     f"got {logits.numel()}")
+        temp = action.token_temp
+        base = self.state.request.sampling
+        plan.logits = logits
+        plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
+        if lent is not None and last and not self.state.forced_queue:
+            plan.unchecked = (item, lent)  # checked by settle(), once the phase's other work is done
+            return
+        if lent is not None:  # Python numbers, read with every other lent row's
+            best, where = lent[0].row_max(lent[1])
+        else:
+            best, where = logits.max(0)
+            best = float(best)
+        self._checked(item, plan, best, where)
+
+    def settle(self, plan: StepPlan) -> bool:
+        """The check :meth:`adjust_logits` left to the step's draw: the maximum of the row a mod
+        handed back (searched meanwhile on the mods' thread, :meth:`HostLogits.check_ahead`) is
+        finite, and its first index is the greedy choice. False when it is not (the request ends,
+        as at once). Deferred, the search runs while this thread records and applies every other
+        request's phase, instead of this thread waiting for it at the first request's."""
+        item, lent = plan.unchecked  # type: ignore[misc]
+        plan.unchecked = None
+        best, where = lent[0].row_max(lent[1])
+        return self._checked(item, plan, best, where)
+
+    def _checked(self, item: Call, plan: StepPlan, best: float, where: Any) -> bool:
         # one pass and one device read: the maximum is finite unless there is a NaN (max propagates
         # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from; the same
         # pass finds the greedy choice (the first maximum, as argmax picks it)
-        if lent is not None:  # Python numbers, read with every other lent row's
-            best, where = lent[0].row_max(lent[1])
-            finite = math.isfinite(best)
-        else:
-            best, where = logits.max(0)
-            finite = bool(torch.isfinite(best))
-        if not finite:
-            return self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
-                                    "finite entry; got NaN, +inf or -inf everywhere")
-        temp = action.token_temp
-        base = self.state.request.sampling
-        plan.logits, plan.argmax = logits, where
-        plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
+        if not math.isfinite(best):
+            self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
+                             "finite entry; got NaN, +inf or -inf everywhere")
+            return False
+        plan.argmax = where
         self.applied(item)
+        return True
 
     def steer(self, item: Call, action: Steer) -> None:
         """Set (or with scale 0 remove) the request's steer of one feature; every later forward of
@@ -343,7 +367,7 @@ class PhaseActions:
                 case Noop():
                     continue
                 case AdjustedLogits():
-                    self.adjust_logits(item, action, plan)
+                    self.adjust_logits(item, action, plan, last=i == len(calls) - 1)
                 case Steer():
                     self.steer(item, action)
                 case ForceTokens():

@@ -266,7 +266,7 @@ class RequestMachine:
 
     # ------------------------------------------------------------------------------ the step
 
-    def step(self) -> Phase[SampleRow | None]:
+    def step(self) -> Phase[SampleRow | Unsettled | None]:
         """ForwardPass and its actions. Returns the row to sample when this step samples; else the
         step is already over (forced or reinjected tokens added, or the request ended). A phase:
         it yields each event its mods must see and is sent their calls (:func:`drive`)."""
@@ -280,11 +280,20 @@ class RequestMachine:
         plan = self.actions.apply_forward_pass_actions((yield from self._dispatch(self._forward_event())))
         if state.finish is not None:
             return None
+        if plan.unchecked is not None:  # the row a mod handed back is checked just before the draw
+            return Unsettled(plan)
         if not plan.backtracked and not state.forced_queue:
             return self._sample_row(plan)
         yield from self._add_step_tokens(plan, None)
         self._end_step()
         return None
+
+    def settle(self, unsettled: Unsettled) -> SampleRow | None:
+        """The row to draw from for a step :meth:`step` left :class:`Unsettled`: its mod's logits
+        checked now (the search ran meanwhile); None when they are unusable (the request ended,
+        as it would have in the phase)."""
+        plan = unsettled.plan
+        return self._sample_row(plan) if self.actions.settle(plan) else None
 
     def fast_step(self, now: float) -> SampleRow:
         """:meth:`step` of a request nobody watches step by step (:attr:`fast`): no mod can act,
@@ -627,6 +636,16 @@ class RequestMachine:
                           host: Any = None, logits: Any = None) -> ForwardPass:
         return forward_event(self.state.request_id, step, output, self.state.event_layer, input_ids,
                              self._newest_features(encoded), host, logits)
+
+
+class Unsettled:
+    """What :meth:`RequestMachine.step` returns when its step samples from logits a mod handed
+    back whose check is left to :meth:`RequestMachine.settle`, called just before the step's draw."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
 
 
 _NO_ACTIONS = StepPlan()  # a step no mod acted on (never changed: read only)

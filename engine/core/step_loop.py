@@ -7,6 +7,7 @@
            → runner.execute()     one batched forward (a fault is traced to its row)
            → scheduler.update()   KV and prefix index recorded; each request takes its row
            → each ready request's step(): ForwardPass → its mods → what to sample
+             (a row of logits a mod handed back is checked once every phase is applied: settle())
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
              (the mods of every request see a phase's events together: one hand-off per round;
              a request whose Sampled and Added nobody hears ends its step with on_sample_now(),
@@ -42,6 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 from engine.core.actions import check_handed_back
 from engine.core.jobs import Job, JobHandle
 from engine.core.kv_manager import KVManager
+from engine.core.machine import Unsettled
 from engine.core.phases import drive, run_guarded
 from engine.core.scheduler import Entry, LoopStats, Scheduler, SchedulerOutput
 from engine.errors import EngineClosedError, QueueFullError
@@ -310,6 +312,10 @@ class StepLoop:
         watched = [e for e in ready if not e.machine.fast]
         rows = [run_guarded(e.machine, e.machine.fast_step, now) for e in fast]
         rows += drive([(e.machine, e.machine.step()) for e in watched], self.mod_calls)
+        # a row whose mod handed its logits back is checked now, every phase applied: the search
+        # ran on the mods' thread meanwhile
+        rows = [run_guarded(e.machine, e.machine.settle, row) if type(row) is Unsettled else row
+                for e, row in zip(fast + watched, rows)]
         sampling = [(e, row) for e, row in zip(fast + watched, rows) if row is not None and not e.machine.finished]
         samples = self._sample(sampling)
         self._sampled_at = time.perf_counter() if sampling else None

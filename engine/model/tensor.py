@@ -49,17 +49,10 @@ _LENT: "weakref.WeakValueDictionary[int, HostLogits]" = weakref.WeakValueDiction
 #: (0.1-0.25 ms on a 2-core VM) would cost more than the copy (8 rows × 49,152: ~0.1 ms).
 AHEAD_MIN_BYTES = 2 << 20
 #: Rows handed back smaller than this in all are not checked ahead (:meth:`HostLogits.check_ahead`):
-#: the step loop's thread has only a few tenths of a millisecond of other work to do meanwhile,
-#: and the hand-over costs about a tenth (measured on a 2-core VM, 49,152 ids a row: at 32 rows, 6
-#: MB, the check ahead saved the loop's thread 0.05 ms a step and cost it 0.15; at 64, 12 MB, it
-#: saved 0.54 and cost 0.09).
-CHECK_AHEAD_MIN_BYTES = 8 << 20
-#: The share of the rows checked ahead that the mods' thread searches: it starts some tenths of a
-#: millisecond before the step loop's thread asks for the first row, which then searches the rest
-#: (at 64 rows of 49,152 ids on a 2-core VM, the loop's thread spent 1.20 ms a step checking with
-#: 2/3 searched ahead, 1.31 with 1/2, 1.39-1.56 with all and 1.76-2.02 with none: the two cores
-#: share the memory bandwidth the search is bound by).
-CHECK_AHEAD_SHARE = 2 / 3
+#: the hand-over would cost more than the search (measured on a 2-core VM, 49,152 ids a row, the
+#: check left to the step's draw: at 8 rows, 1.5 MB, checking ahead cost the step 0.03 ms; at 16
+#: rows it saved 0.22 ms a step, at 32 0.57, at 64 0.68).
+CHECK_AHEAD_MIN_BYTES = 2 << 20
 #: The longest :meth:`HostLogits.row_max` waits for a check started ahead (which takes milliseconds)
 #: before it searches the row itself: a check that was registered but never ran must not stall the
 #: loop.
@@ -249,19 +242,18 @@ class HostLogits:
 
     def check_ahead(self, keys: Iterable[int]) -> Callable[[], None] | None:
         """Start the check :meth:`row_max` makes of the lent rows ``keys`` (those a phase's mods
-        handed back): returns work for another thread to do at once, a search of
-        :data:`CHECK_AHEAD_SHARE` of them, while the step loop's thread records the phase's calls;
-        the first :meth:`row_max` then searches the rest itself, the two cores reading at the same
-        time (at 64 concurrent requests the rows are 12 MB, 1.5-2 ms to search on one core). None
-        when the rows are fewer than :data:`CHECK_AHEAD_MIN_BYTES`, or a check is under way
-        already. Called once the phase's mod calls have all returned, before any of its actions is
-        applied."""
+        handed back): returns work for another thread to do at once, a search of them all, while
+        the step loop's thread records and applies every request's phase, which leaves each of
+        these checks to just before the step's draw; :meth:`row_max` then waits for what is left
+        of it (at 64 concurrent requests the rows are 12 MB, 1-2 ms to search on one core, and the
+        loop's own work meanwhile about as long). None when the rows are fewer than
+        :data:`CHECK_AHEAD_MIN_BYTES`, or a check is under way already. Called once the phase's
+        mod calls have all returned, before any of its actions is applied."""
         with self._lock:
             if self._checking is not None and not self._checking.done():
                 return None
-            need = sorted({key for key in keys if key not in self._found})
-            ahead = need[round(len(need) * (1 - CHECK_AHEAD_SHARE)):]
-            if len(need) * self.batch.shape[1] * 4 < CHECK_AHEAD_MIN_BYTES or not ahead:
+            ahead = sorted({key for key in keys if key not in self._found})
+            if len(ahead) * self.batch.shape[1] * 4 < CHECK_AHEAD_MIN_BYTES or not ahead:
                 return None
             checking: Future[None] = Future()
             self._checking, self._ahead_keys = checking, frozenset(ahead)

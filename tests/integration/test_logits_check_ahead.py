@@ -1,8 +1,9 @@
 """The rows of a step's logits that mods hand back (``AdjustedLogits`` of the row they were lent) are
-checked (finite, and their greedy choice found) partly on the mods' thread, started as soon as the
-phase's calls have returned, while the step loop's thread records the calls and searches the rest.
-Which thread searched a row changes nothing a mod or a result can see: outputs, events, payloads
-and the fault a non-finite row is."""
+checked (finite, and their greedy choice found) on the mods' thread, started as soon as the phase's
+calls have returned, while the step loop's thread records and applies every request's phase; each
+request's check is settled just before the step's draw. Which thread searched a row, and whether
+the check was settled in the phase or before the draw, changes nothing a mod or a result can see:
+outputs, events, payloads and the fault a non-finite row is."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from engine.core.actions import PhaseActions
 from engine.model import tensor
 from engine.model.tensor import HostLogits
 from mods import ForwardPass
@@ -76,24 +78,36 @@ def searched_ahead(monkeypatch) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("keep_logits", [False, True], ids=["lent in place", "copied"])
 @pytest.mark.parametrize("poison", [None, 1], ids=["every row usable", "one request's row all -inf"])
-def test_rows_handed_back_are_checked_ahead_with_the_results_of_a_check_on_the_loops_thread(
+def test_rows_handed_back_are_checked_ahead_and_settled_at_the_draw_with_the_results_of_a_check_in_the_phase(
         keep_logits, poison, searched_ahead, monkeypatch):
+    settled: list[int] = []
+    real_settle = PhaseActions.settle
+    monkeypatch.setattr(PhaseActions, "settle", lambda self, plan: settled.append(1) or real_settle(self, plan))
     ahead = _run(_ban_best(poison), keep_logits=keep_logits)
     on_the_mods_thread = [n for name, n in searched_ahead if name == "raylens-mod-call"]
-    # of each step's four rows handed back, the mods' thread searched three (2/3, rounded), the
-    # loop's thread the other; once the poisoned request has failed, two of three
-    assert set(on_the_mods_thread) == ({3} if poison is None else {3, 2}), searched_ahead
-    assert {n for name, n in searched_ahead if name != "raylens-mod-call"} == {1}, searched_ahead
+    # the mods' thread searched each step's four rows handed back; once the poisoned request has
+    # failed, three; the loop's thread searched none
+    assert set(on_the_mods_thread) == ({4} if poison is None else {4, 3}), searched_ahead
+    assert all(name == "raylens-mod-call" for name, _ in searched_ahead), searched_ahead
+    assert len(settled) == sum(on_the_mods_thread)  # each row handed back was checked at the draw
 
     monkeypatch.setattr(HostLogits, "check_ahead", lambda self, keys: None)
     searched_ahead.clear()
     reference = _run(_ban_best(poison), keep_logits=keep_logits)
     assert searched_ahead and all(name != "raylens-mod-call" for name, _ in searched_ahead)
 
+    real_adjust = PhaseActions.adjust_logits
+    monkeypatch.setattr(PhaseActions, "adjust_logits",  # every check made in the phase, at once
+                        lambda self, item, action, plan, *, last=False: real_adjust(self, item, action, plan))
+    settled.clear()
+    in_phase = _run(_ban_best(poison), keep_logits=keep_logits)
+    assert not settled
+
     assert ahead[0].output_text != "hello world"  # the bans took effect
     if poison is not None:
         assert sorted(r.finish_reason.value for r in ahead).count("error") == 1
         failed = next(r for r in ahead if r.finish_reason.value == "error")
         assert "must be finite" in failed.error
-    for a, b in zip(sorted(ahead, key=lambda r: r.error or ""), sorted(reference, key=lambda r: r.error or "")):
-        _same(a, b)
+    for other in (reference, in_phase):
+        for a, b in zip(sorted(ahead, key=lambda r: r.error or ""), sorted(other, key=lambda r: r.error or "")):
+            _same(a, b)

@@ -240,10 +240,10 @@ def test_rows_lent_in_place_are_checked_over_the_span_they_lie_in_when_they_are_
     assert searched == [5, 1]  # rows 0-4 (row 3 read too), then row 5
 
 
-def test_a_check_ahead_searches_its_share_and_the_reader_the_rest_waiting_for_it_or_searching_again(monkeypatch):
-    """:meth:`HostLogits.check_ahead` takes two thirds of the rows handed back (none when they are
-    few: the threshold); the reader searches the rest at once and waits for the work for the
-    others; when that work failed, or never ran, each reader searches its own row again."""
+def test_a_check_ahead_searches_the_rows_handed_back_and_the_reader_waits_for_it_or_searches_again(monkeypatch):
+    """:meth:`HostLogits.check_ahead` takes every row handed back (none when they are few: the
+    threshold); a reader waits for that work, and a row lent but not handed back it searches at
+    once itself; when that work failed, or never ran, each reader searches its own row again."""
     import threading
 
     from engine.model import tensor
@@ -266,16 +266,16 @@ def test_a_check_ahead_searches_its_share_and_the_reader_the_rest_waiting_for_it
     real = tensor.row_max
     monkeypatch.setattr(tensor, "row_max", lambda x: searched.append(x.shape[0]) or real(x))
     host = lent_host()
-    work = host.check_ahead(keys)
+    work = host.check_ahead(keys[1:])  # row 0 was lent but not handed back
     assert work is not None and host.check_ahead(keys) is None  # one under way at a time
     got = {}
     reader = threading.Thread(target=lambda: got.update({key: host.row_max(key) for key in keys}))
     reader.start()
     reader.join(0.5)
-    assert reader.is_alive() and searched == [2], "the reader searched its third and waits for the rest"
+    assert reader.is_alive() and searched == [1], "the reader searched the row not handed back and waits"
     work()
     reader.join(10)
-    assert got == expected and searched == [2, 4]
+    assert got == expected and searched == [1, 5]
 
     def failing(x):
         if threading.current_thread() is worker:
