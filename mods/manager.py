@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .capture import CaptureBuffer, CapturedLog, _active, _ensure_installed
 from .conversation import pop_request_context, push_request_context
-from .event_guard import forget_decisions, turns_away, turns_away_kind
+from .event_guard import forget_decisions, turns_away, turns_away_all
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
@@ -459,9 +459,9 @@ class ModManager:
 
     def turns_away_all(self, kind: type[ModEvent]) -> bool:
         """Whether every mod's guard turns every event of class ``kind`` away
-        (:func:`mods.event_guard.turns_away_kind`): :meth:`calls_for` would make no call for one,
+        (:func:`mods.event_guard.turns_away_all`): :meth:`calls_for` would make no call for one,
         so the engine need not make the event while the step runs."""
-        return all(turns_away_kind(m, kind) for m in self.mods)
+        return turns_away_all(self.mods, kind)
 
     def records(self, pendings: Sequence[_Pending], *, keep_silent: bool = True) -> list[ModCall]:
         """What each call did (calls skipped after a fatal one are left out); counted in

@@ -257,37 +257,47 @@ class PhaseActions:
         plan.logits = logits
         plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
         if lent is not None and last and not self.state.forced_queue:
-            plan.unchecked = (item, lent)  # checked by settle(), once the phase's other work is done
+            # checked by settle(), once every request's phase is applied; recorded as applied now,
+            # the usual outcome (taken back there if the check fails), so that the recording too
+            # runs while the rows are searched
+            plan.unchecked = (item, lent)
+            self.applied(item)
             return
+        # one pass and one device read: the maximum is finite unless there is a NaN (max propagates
+        # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from; the same
+        # pass finds the greedy choice (the first maximum, as argmax picks it)
         if lent is not None:  # Python numbers, read with every other lent row's
             best, where = lent[0].row_max(lent[1])
         else:
             best, where = logits.max(0)
             best = float(best)
-        self._checked(item, plan, best, where)
+        if not math.isfinite(best):
+            return self._unusable(item)
+        plan.argmax = where
+        self.applied(item)
 
     def settle(self, plan: StepPlan) -> bool:
         """The check :meth:`adjust_logits` left to the step's draw: the maximum of the row a mod
         handed back (searched meanwhile on the mods' thread, :meth:`HostLogits.check_ahead`) is
-        finite, and its first index is the greedy choice. False when it is not (the request ends,
-        as at once). Deferred, the search runs while this thread records and applies every other
-        request's phase, instead of this thread waiting for it at the first request's."""
+        finite, and its first index is the greedy choice. False when it is not: the action's record
+        as applied is taken back and the request ends, as a check in the phase would have ended it.
+        Deferred, the search runs while this thread records and applies every other request's
+        phase, instead of this thread waiting for it at the first request's."""
         item, lent = plan.unchecked  # type: ignore[misc]
         plan.unchecked = None
         best, where = lent[0].row_max(lent[1])
-        return self._checked(item, plan, best, where)
+        if math.isfinite(best):
+            plan.argmax = where
+            return True
+        state = self.state
+        state.actions.pop()
+        state.payload.take_back_action(item.index)
+        self._unusable(item)
+        return False
 
-    def _checked(self, item: Call, plan: StepPlan, best: float, where: Any) -> bool:
-        # one pass and one device read: the maximum is finite unless there is a NaN (max propagates
-        # it) or a +inf anywhere, or nothing but -inf — none of which can be sampled from; the same
-        # pass finds the greedy choice (the first maximum, as argmax picks it)
-        if not math.isfinite(best):
-            self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
-                             "finite entry; got NaN, +inf or -inf everywhere")
-            return False
-        plan.argmax = where
-        self.applied(item)
-        return True
+    def _unusable(self, item: Call) -> None:
+        self.fault(item, "AdjustedLogits.logits must be finite numbers (-inf allowed) with at least one "
+                         "finite entry; got NaN, +inf or -inf everywhere")
 
     def steer(self, item: Call, action: Steer) -> None:
         """Set (or with scale 0 remove) the request's steer of one feature; every later forward of

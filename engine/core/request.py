@@ -95,6 +95,8 @@ class PayloadSink(Protocol):
 
     def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None) -> None: ...
 
+    def take_back_action(self, call_index: int | None) -> None: ...
+
 
 class StreamSink(Protocol):
     """Where committed and erased tokens are announced as they happen (a request's stream)."""

@@ -396,6 +396,17 @@ class PayloadBuilder:
         self._describe(record, details, action)
         self._log.append((_ACTION, record))
 
+    def take_back_action(self, call_index: int | None) -> None:
+        """Unrecord the newest record, which must be :meth:`action`'s of the ``AdjustedLogits`` of
+        recorded call ``call_index``: one recorded as applied ahead of its check, which then failed
+        (its record as not applied follows)."""
+        if call_index is None:
+            return
+        last = self._log[-1] if self._log else None
+        if last is None or last[0] is not _ADJUSTED or last[1] != call_index or last[2].get("applied") is not True:
+            raise AssertionError(f"the newest payload record is not call {call_index}'s AdjustedLogits as applied")
+        self._log.pop()
+
     @staticmethod
     def _action_record(call_index: int, kind: str, details: dict[str, Any], at: float) -> dict[str, Any]:
         return {"mod_call_sequence": call_index, "action_type": kind, "action_order": 0, "created_at": at,

@@ -56,6 +56,8 @@ def _same(a: Any, b: Any) -> None:
     assert (a.output_text, a.sequence_ids, a.finish_reason, a.error) == \
         (b.output_text, b.sequence_ids, b.finish_reason, b.error)
     assert [type(e).__name__ for e in a.events] == [type(e).__name__ for e in b.events]
+    assert [(type(x).__name__, x._source) for x in a.actions] == [(type(x).__name__, x._source) for x in b.actions]
+    assert [(i.step, i.reason) for i in a.ignored_actions] == [(i.step, i.reason) for i in b.ignored_actions]
     assert_payload_valid(a.payload)
     for part in ("events", "mod_calls", "actions", "mod_logs"):
         assert timeless(a.payload[part]) == timeless(b.payload[part]), part

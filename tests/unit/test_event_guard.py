@@ -18,7 +18,7 @@ import pytest
 import mods.types as T
 from mods import mod
 from mods.decorator import create_mod
-from mods.event_guard import forget_decisions, turns_away
+from mods.event_guard import forget_decisions, turns_away, turns_away_all, turns_away_kind
 from mods.manager import ModManager
 from mods.types import Added, ForwardPass, Noop, Prefilled, Sampled
 from mods.validation import validate_action
@@ -272,6 +272,39 @@ def test_a_decision_is_reused_until_code_runs_and_a_mod_call_is_code():
     assert turns_away(m, other) is True
     namespace["Kind"] = type(other)
     assert turns_away(m, other) is False
+
+
+def test_a_list_of_mods_is_decided_once_like_each_mod_and_afresh_when_a_mod_is_read_again():
+    """turns_away_all: every request's manager has its own list, most often of the same mods; the
+    answer for those mods is reused until code may have rebound a name, and a mod read afresh
+    (its code replaced, then asked of another class) is not answered from before."""
+    namespace, m = rebinding_guard()
+    forget_decisions()
+    lists = [[m, forward_only], [m, forward_only]]  # two requests', the same mods
+    assert [turns_away_all(mods, Sampled) for mods in lists] == [True, True]
+    assert turns_away_all([m, forward_only, logs_first], Sampled) is False  # logs_first hears every event
+    namespace["Kind"] = Sampled  # rebound by no code the engine ran: the decision stands
+    assert turns_away_all(lists[1], Sampled) is True
+    forget_decisions()
+    assert turns_away_all(lists[1], Sampled) is False
+    assert turns_away_all(lists[0], Added) is True
+
+    def hears_all(event, tokenizer):
+        LOG.append("hears_all")
+    namespace["Kind"] = ForwardPass
+    forget_decisions()
+    assert turns_away_all([m], Added) is True
+    m.__code__ = hears_all.__code__
+    assert turns_away_kind(m, Prefilled) is False  # read again, for a class not decided yet
+    assert turns_away_all([m], Added) is False, "a list's answer rests on each mod's reading"
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, event, tokenizer):
+            return None
+    assert turns_away_all([Unhashable()], Added) is False  # asked mod by mod (not a plain function: called)
+    assert turns_away_all([], Added) is True
 
 
 def test_a_function_whose_code_is_replaced_is_read_again():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from engine.config import IngestConfig
 from engine.services.ingest_payload import PayloadBuilder
@@ -108,3 +109,23 @@ def test_a_recorded_logits_action_does_not_keep_the_steps_host_copy_alive():
     assert gone() is None, "the payload's records keep the step's host copy of the logits alive"
     payload = _build(builder)
     assert payload["actions"][0]["logits_shape"] == "[1, 128]"
+
+
+def test_an_adjusted_logits_recorded_as_applied_ahead_of_its_check_is_taken_back_and_only_that():
+    """The engine records the usual logits mod's action as applied before the check of its row,
+    which is settled just before the step's draw; a failed check takes that record back (its
+    record as not applied follows). Only the newest record, and only that call's, can be taken."""
+    builder = _builder()
+    index = builder.event(ForwardPass("r1", 0, None, input_ids=[40, 41]))
+    adjusted = AdjustedLogits(np.zeros((1, 128), np.float32))
+    (call_index,) = builder.calls(index, [_call(adjusted, "ForwardPass", 0, "a")])
+    builder.action(call_index, adjusted, applied=True)
+    with pytest.raises(AssertionError, match="not call 7's"):
+        builder.take_back_action(7)
+    builder.take_back_action(call_index)
+    builder.action(call_index, adjusted, applied=False, note="unusable")
+    with pytest.raises(AssertionError):
+        builder.take_back_action(call_index)  # the newest is the record as not applied: nothing to take
+    builder.take_back_action(None)  # a call with no record: nothing recorded, nothing taken
+    (action,) = _build(builder)["actions"]
+    assert action["details"] == {"applied": False, "note": "unusable"}
