@@ -143,11 +143,11 @@ def turns_away_all(mods: Sequence[Callable[..., Any]], kind: type) -> bool:
     often of the same mods: the answer for a list of those mods is reused, as each mod's is, until
     :func:`forget_decisions` (or until a mod is read afresh), so that a step of 64 requests asks
     once, not 64 times (a request whose Sampled and Added nobody hears asks it of both)."""
-    try:
-        key = (tuple(mods), kind)
-        decided = _ALL_DECIDED.get(key)
-    except TypeError:  # a mod that cannot be hashed: asked mod by mod
-        return all(turns_away_kind(m, kind) for m in mods)
+    for m in mods:
+        if type(m) is not types.FunctionType:  # (its hash or == could run its code) never turned away
+            return False
+    key = (tuple(mods), kind)  # plain functions: hashed and compared by identity
+    decided = _ALL_DECIDED.get(key)
     if decided is None:
         decided = _ALL_DECIDED[key] = all(turns_away_kind(m, kind) for m in mods)
     return decided

@@ -55,7 +55,7 @@ from mods.event_guard import forget_decisions
 from mods.manager import CallRunner, ModCall, ModManager
 from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
-__all__ = ["RequestMachine"]
+__all__ = ["RequestMachine", "Unsettled"]
 
 
 class RequestMachine:

@@ -16,7 +16,7 @@ from engine.core.actions import PhaseActions
 from engine.model import tensor
 from engine.model.tensor import HostLogits
 from mods import ForwardPass
-from mods.types import AdjustedLogits
+from mods.types import AdjustedLogits, Backtrack, ForceTokens, Prefilled
 from tests.core_fixtures import _payload as timeless  # the payload less its times and request id
 from tests.helpers import CharTokenizer, assert_payload_valid, scripted_engine
 
@@ -56,7 +56,8 @@ def _same(a: Any, b: Any) -> None:
     assert (a.output_text, a.sequence_ids, a.finish_reason, a.error) == \
         (b.output_text, b.sequence_ids, b.finish_reason, b.error)
     assert [type(e).__name__ for e in a.events] == [type(e).__name__ for e in b.events]
-    assert [(type(x).__name__, x._source) for x in a.actions] == [(type(x).__name__, x._source) for x in b.actions]
+    assert [(type(x).__name__, getattr(x, "_source", None)) for x in a.actions] == \
+        [(type(x).__name__, getattr(x, "_source", None)) for x in b.actions]
     assert [(i.step, i.reason) for i in a.ignored_actions] == [(i.step, i.reason) for i in b.ignored_actions]
     assert_payload_valid(a.payload)
     for part in ("events", "mod_calls", "actions", "mod_logs"):
@@ -113,3 +114,56 @@ def test_rows_handed_back_are_checked_ahead_and_settled_at_the_draw_with_the_res
     for other in (reference, in_phase):
         for a, b in zip(sorted(ahead, key=lambda r: r.error or ""), sorted(other, key=lambda r: r.error or "")):
             _same(a, b)
+
+
+def _ban_best_handed(copy: bool):
+    """Bans each step's best token; hands back the row it was lent, or (``copy``) a copy of it,
+    which is never checked ahead or at the draw: the reference for what a check must decide."""
+    def ban_best(event, tokenizer=None):
+        if not isinstance(event, ForwardPass) or event.step >= 6:
+            return None
+        logits = event.logits.to_numpy()
+        logits[0, int(logits.argmax())] = -1e9
+        return AdjustedLogits(type(event.logits).from_numpy(logits.copy() if copy else logits))
+    return ban_best
+
+
+def _backtrack_at_step_3(event, tokenizer=None):
+    if isinstance(event, ForwardPass) and event.step == 3:
+        return Backtrack(1)
+    return None
+
+
+def _force_at_prefill(event, tokenizer=None):  # a plain mod: its ForceTokens at Prefilled is queued
+    if isinstance(event, Prefilled):
+        return ForceTokens(TOK.encode("ab"))
+    return None
+
+
+@pytest.mark.parametrize("other", [_backtrack_at_step_3, _force_at_prefill],
+                         ids=["an action after it in the phase", "forced tokens queued"])
+def test_a_row_handed_back_is_checked_in_the_phase_when_the_step_may_not_draw(other, monkeypatch):
+    """The check is left to the draw only when the AdjustedLogits is the phase's last action and
+    no forced tokens are queued: otherwise the step may end without a draw (a Backtrack after it,
+    the queued tokens committed), and the row is checked in the phase, as a copy's is."""
+    settled: list[int] = []
+    real_settle = PhaseActions.settle
+    monkeypatch.setattr(PhaseActions, "settle", lambda self, plan: settled.append(1) or real_settle(self, plan))
+
+    def run(copy: bool) -> list[Any]:
+        eng = scripted_engine()
+        try:
+            with eng.loop.admission_held():
+                handles = [eng.submit(input_ids=TOK.encode("Q:"), mods=[_ban_best_handed(copy), other])
+                           for _ in range(N)]
+            return [h.result(timeout=60) for h in handles]
+        finally:
+            eng.close()
+    lent, copied = run(False), run(True)
+    for a, b in zip(lent, copied):
+        _same(a, b)
+    actions = {type(x).__name__ for r in lent for x in r.actions}
+    assert {"AdjustedLogits", "Backtrack" if other is _backtrack_at_step_3 else "ForceTokens"} <= actions
+    if other is _force_at_prefill:
+        assert lent[0].output_text.startswith("ab")
+    assert settled, "the other steps' checks are settled at the draw"

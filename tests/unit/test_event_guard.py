@@ -303,7 +303,18 @@ def test_a_list_of_mods_is_decided_once_like_each_mod_and_afresh_when_a_mod_is_r
 
         def __call__(self, event, tokenizer):
             return None
-    assert turns_away_all([Unhashable()], Added) is False  # asked mod by mod (not a plain function: called)
+
+    class Hashes:
+        def __hash__(self):
+            LOG.append("hashed")
+            return 1
+
+        def __call__(self, event, tokenizer):
+            return None
+    LOG.clear()
+    # not a plain function: called for every event, and none of its code runs to say so
+    assert turns_away_all([Unhashable()], Added) is False
+    assert turns_away_all([forward_only, Hashes()], Added) is False and LOG == []
     assert turns_away_all([], Added) is True
 
 
