@@ -267,9 +267,11 @@ class RequestMachine:
     # ------------------------------------------------------------------------------ the step
 
     def step(self) -> Phase[SampleRow | Unsettled | None]:
-        """ForwardPass and its actions. Returns the row to sample when this step samples; else the
-        step is already over (forced or reinjected tokens added, or the request ended). A phase:
-        it yields each event its mods must see and is sent their calls (:func:`drive`)."""
+        """ForwardPass and its actions. Returns the row to sample when this step samples (or,
+        when that row's logits are a mod's still to be checked, :class:`Unsettled`, for
+        :meth:`settle` just before the draw); else the step is already over (forced or
+        reinjected tokens added, or the request ended). A phase: it yields each event its mods
+        must see and is sent their calls (:func:`drive`)."""
         state = self.state
         state.force_accepted = False
         state.step_committed = []

@@ -51,7 +51,7 @@ AHEAD_MIN_BYTES = 2 << 20
 #: Rows handed back smaller than this in all are not checked ahead (:meth:`HostLogits.check_ahead`):
 #: the hand-over would cost more than the search (measured on a 2-core VM, 49,152 ids a row, the
 #: check left to the step's draw: at 8 rows, 1.5 MB, checking ahead cost the step 0.03 ms; at 16
-#: rows it saved 0.22 ms a step, at 32 0.57, at 64 0.68).
+#: rows it saved 0.22 ms a step; at 32, against the check in the phase with none ahead, 0.57).
 CHECK_AHEAD_MIN_BYTES = 2 << 20
 #: The longest :meth:`HostLogits.row_max` waits for a check started ahead (which takes milliseconds)
 #: before it searches the row itself: a check that was registered but never ran must not stall the
