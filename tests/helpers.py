@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+
+from mods.types import AdjustedLogits, ForwardPass
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DOCS = REPO.parent / "shared" / "docs"
@@ -260,3 +262,20 @@ def masked(logits: Any, banned: Sequence[int], value: float = -1e9) -> np.ndarra
     arr = logits.to_numpy().copy()
     arr[0, list(banned)] = value
     return arr
+
+
+def ban_best_mod(steps: int, *, copy: bool = False,
+                 then: Callable[[Any, np.ndarray], None] | None = None) -> Callable[..., Any]:
+    """The usual logits mod, edit-and-return, hearing ForwardPass only (its guard turns every other
+    event away): for its first ``steps`` steps it bans the best token and hands back the row it was
+    lent (``copy``: a copy of it, which the engine never takes for the lent row); ``then(event,
+    row)`` runs on the edited row before it is handed back."""
+    def ban_best(event, tokenizer=None):
+        if isinstance(event, ForwardPass) and event.step < steps:
+            logits = event.logits.to_numpy()
+            logits[0, int(logits.argmax())] = -1e9
+            if then is not None:
+                then(event, logits)
+            return AdjustedLogits(type(event.logits).from_numpy(logits.copy() if copy else logits))
+        return None
+    return ban_best

@@ -16,9 +16,9 @@ from engine.core.actions import PhaseActions
 from engine.model import tensor
 from engine.model.tensor import HostLogits
 from mods import ForwardPass
-from mods.types import AdjustedLogits, Backtrack, ForceTokens, Prefilled
+from mods.types import Backtrack, ForceTokens, Prefilled
 from tests.core_fixtures import _payload as timeless  # the payload less its times and request id
-from tests.helpers import CharTokenizer, assert_payload_valid, scripted_engine
+from tests.helpers import CharTokenizer, ban_best_mod, assert_payload_valid, scripted_engine
 
 TOK = CharTokenizer()
 N = 4  # requests admitted together: one batch, at the same step throughout
@@ -35,21 +35,16 @@ def _run(mod: Any, **generation: Any) -> list[Any]:
 
 
 def _ban_best(poison_request: int | None = None):
-    """Bans each step's best token and hands the row back; the ``poison_request``-th request to
+    """Bans each step's best token and hands back the row; the ``poison_request``-th request to
     reach step 2 hands back a row of -inf there (nothing can be sampled from it: a fault)."""
     order: list[str] = []
 
-    def ban_best(event, tokenizer=None):
-        if not isinstance(event, ForwardPass) or event.step >= 6:
-            return None
-        logits = event.logits.to_numpy()
-        logits[0, int(logits.argmax())] = -1e9
+    def poison(event, row) -> None:
         if event.step == 2 and poison_request is not None:
             order.append(event.request_id)
             if len(order) == poison_request + 1:
-                logits[0, :] = float("-inf")
-        return AdjustedLogits(type(event.logits).from_numpy(logits))
-    return ban_best
+                row[0, :] = float("-inf")
+    return ban_best_mod(6, then=poison)
 
 
 def _same(a: Any, b: Any) -> None:
@@ -116,18 +111,6 @@ def test_rows_handed_back_are_checked_ahead_and_settled_at_the_draw_with_the_res
             _same(a, b)
 
 
-def _ban_best_handed(copy: bool):
-    """Bans each step's best token; hands back the row it was lent, or (``copy``) a copy of it,
-    which is never checked ahead or at the draw: the reference for what a check must decide."""
-    def ban_best(event, tokenizer=None):
-        if not isinstance(event, ForwardPass) or event.step >= 6:
-            return None
-        logits = event.logits.to_numpy()
-        logits[0, int(logits.argmax())] = -1e9
-        return AdjustedLogits(type(event.logits).from_numpy(logits.copy() if copy else logits))
-    return ban_best
-
-
 def _backtrack_at_step_3(event, tokenizer=None):
     if isinstance(event, ForwardPass) and event.step == 3:
         return Backtrack(1)
@@ -154,7 +137,7 @@ def test_a_row_handed_back_is_checked_in_the_phase_when_the_step_may_not_draw(ot
         eng = scripted_engine()
         try:
             with eng.loop.admission_held():
-                handles = [eng.submit(input_ids=TOK.encode("Q:"), mods=[_ban_best_handed(copy), other])
+                handles = [eng.submit(input_ids=TOK.encode("Q:"), mods=[ban_best_mod(6, copy=copy), other])
                            for _ in range(N)]
             return [h.result(timeout=60) for h in handles]
         finally:

@@ -10,7 +10,7 @@ import pytest
 
 from engine.model.tensor import HostLogits
 from mods import ForwardPass
-from tests.helpers import CharTokenizer, scripted_engine
+from tests.helpers import CharTokenizer, ban_best_mod, scripted_engine
 
 TOK = CharTokenizer()
 
@@ -66,13 +66,7 @@ def test_the_copy_is_made_ahead_exactly_on_steps_after_a_read(reads_at, copy_whe
 def test_a_logits_mod_gets_the_same_results_with_the_copy_made_ahead_or_at_its_read(monkeypatch, copy_where):
     """A mod that bans each step's best token and hands the row back: the same outputs, events
     and adjusted logits whichever thread copied the step's logits."""
-    def ban_best(event, tokenizer=None):
-        if isinstance(event, ForwardPass) and event.step < 6:
-            logits = event.logits.to_numpy()
-            logits[0, int(logits.argmax())] = -1e9
-            from mods.types import AdjustedLogits
-            return AdjustedLogits(type(event.logits).from_numpy(logits))
-        return None
+    ban_best = ban_best_mod(6)
 
     ahead = _run(ban_best, keep_logits=True)
     monkeypatch.setattr(HostLogits, "copy_ahead", lambda self: None)

@@ -12,9 +12,8 @@ import pytest
 
 from engine.core.machine import RequestMachine
 from mods import ForwardPass
-from mods.types import AdjustedLogits
 from tests.core_fixtures import _payload as timeless  # the payload less its times and request id
-from tests.helpers import CharTokenizer, assert_payload_valid, scripted_engine
+from tests.helpers import CharTokenizer, ban_best_mod, assert_payload_valid, scripted_engine
 
 TOK = CharTokenizer()
 
@@ -77,13 +76,7 @@ def test_a_row_lent_in_place_and_handed_back_is_applied_as_the_copy_would_be(mon
     events and payload as when the row is copied; the bans take effect."""
     seen: dict[int, bool] = {}
 
-    def ban_best(event, tokenizer=None):
-        if isinstance(event, ForwardPass) and event.step < 6:
-            logits = event.logits.to_numpy()
-            seen.setdefault(event.step, _is_batch_row(event, logits))
-            logits[0, int(logits.argmax())] = -1e9
-            return AdjustedLogits(type(event.logits).from_numpy(logits))
-        return None
+    ban_best = ban_best_mod(6, then=lambda event, row: seen.setdefault(event.step, _is_batch_row(event, row)))
 
     lent = _run([ban_best])
     assert seen and all(seen.values())

@@ -8,21 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from engine.core.machine import RequestMachine
-from mods import Added, ForwardPass, Sampled
-from mods.types import AdjustedLogits, Noop
+from mods import Added, Sampled
+from mods.types import Noop
 from tests.core_fixtures import _payload as timeless  # the payload less its times and request id
-from tests.helpers import CharTokenizer, assert_payload_valid, scripted_engine
+from tests.helpers import CharTokenizer, ban_best_mod, assert_payload_valid, scripted_engine
 
 TOK = CharTokenizer()
 
 
-def ban_best(event, tokenizer=None):
-    """Hears ForwardPass only: bans the best token of the first steps and hands the row back."""
-    if isinstance(event, ForwardPass) and event.step < 4:
-        logits = event.logits.to_numpy()
-        logits[0, int(logits.argmax())] = -1e9
-        return AdjustedLogits(type(event.logits).from_numpy(logits))
-    return None
+ban_best = ban_best_mod(4)  # hears ForwardPass only: the best token of the first steps banned
 
 
 def hears_sampled(event, tokenizer=None):
