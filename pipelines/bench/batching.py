@@ -102,7 +102,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     backend = engine.backend
     model, tokenizer = backend.reference_model, engine.tokenizer
     device = backend.device
-    from .measure import _mask_mod
+    from .measure import _machine, _mask_mod
 
     logits_mod = _mask_mod()  # the single-stream bench's logits mod: numpy edit, back through from_numpy
     if max(concurrency) > backend.max_batch:
@@ -230,7 +230,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     return {"model": backend.info.model_id, "device": backend.info.device, "dtype": backend.info.dtype,
             "new_tokens": new_tokens, "repeats": repeats, "rows": rows, "graph_stats": graph_stats,
             "attention": getattr(backend, "paged_reason", None), "prepacked_linears": getattr(backend, "prepacked", None),
-            "machine": _machine()}
+            "machine": _machine(backend)}
 
 
 def _paired_with_mod_free(runs: dict[str, list[float]], mod_free: dict[str, str]) -> dict[str, list[float]]:
@@ -270,19 +270,6 @@ def _measure(paths: dict[str, Callable[[], int]], runs: dict[str, list[float]], 
             elapsed = time.perf_counter() - started
             runs[name].append(produced / elapsed)
             progress(f"repeat {r + 1}/{repeats}  {name:<48} {produced / elapsed:9.1f} tok/s")
-
-
-def _machine() -> dict[str, Any]:
-    import platform
-
-    import torch
-    import transformers
-
-    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-        info["cuda"] = torch.version.cuda
-    return info
 
 
 def format_concurrency(report: dict[str, Any]) -> str:

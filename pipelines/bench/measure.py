@@ -26,14 +26,20 @@ def _mask_mod():
 
 
 def _machine(backend: Any) -> dict[str, Any]:
+    """The machine and versions a report ran on. The CPU's model is named: a shared VM's host may
+    be a different processor from one day to the next, and the ratios of a host-bound bench move
+    with it."""
     import os
 
     import torch
+    import transformers
 
     info: dict[str, Any] = {
         "platform": platform.platform(),
+        "cpu": _cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": backend.info.device,
@@ -41,4 +47,17 @@ def _machine(backend: Any) -> dict[str, Any]:
     }
     if backend.device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(backend.device)
+        info["cuda"] = torch.version.cuda
     return info
+
+
+def _cpu_model() -> str:
+    """The processor's model name (Linux's ``/proc/cpuinfo``; elsewhere what ``platform`` says)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
