@@ -80,10 +80,11 @@ class StepPlan:
 
 
 def check_handed_back(calls: list[PendingCall]) -> Callable[[], None] | None:
-    """The check :meth:`PhaseActions.adjust_logits` makes of each row of a step's logits that a
-    mod handed back as it was lent (its maximum: finite, and the greedy choice), as work for the
-    mods' thread to do once the calls have returned, while the step loop's thread records them and
-    applies the rest (:data:`mods.manager.FollowUp`)."""
+    """The search behind the check of each row of a step's logits that a mod handed back as it was
+    lent (its maximum: finite, and the greedy choice; made by :meth:`PhaseActions.settle` just
+    before the draw, or by :meth:`PhaseActions.adjust_logits` when the step may end without one),
+    as work for the mods' thread to do once the calls have returned, while the step loop's thread
+    records and applies every request's phase (:data:`mods.manager.FollowUp`)."""
     keys: dict[HostLogits, list[int]] = {}
     for pending in calls:
         action = pending.action
