@@ -223,6 +223,9 @@ class _Pending:
 #: return work that thread then does while the caller goes on (the engine checks the rows of logits
 #: the calls handed back while it applies their other actions); the next batch waits for it.
 FollowUp = Callable[[list["_Pending"]], "Callable[[], Any] | None"]
+#: The longest :meth:`CallRunner.close` waits for its worker to end (its follow-up work takes
+#: milliseconds; a call still running past that is left to its time limit's abandonment).
+CLOSE_WAIT_S = 1.0
 
 
 class _Worker:
@@ -368,10 +371,15 @@ class CallRunner:
         self._worker = None
 
     def close(self) -> None:
+        """Stop the worker, and wait (at most :data:`CLOSE_WAIT_S`) for what it is doing: follow-up
+        work may still run after its batch returned, and a daemon thread inside native code when
+        the interpreter exits can abort the process."""
         with self._lock:
-            if self._worker is not None:
-                self._worker.stop()
-                self._worker = None
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop()
+            if worker.thread is not threading.current_thread():
+                worker.thread.join(CLOSE_WAIT_S)
 
 
 class ModManager:

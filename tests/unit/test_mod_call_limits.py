@@ -165,6 +165,32 @@ def test_the_runners_follow_up_sees_the_batch_and_its_work_runs_after_the_caller
     assert "follow-up hook failed" in caplog.text and "follow-up work failed" in caplog.text
 
 
+def test_closing_the_runner_waits_for_the_follow_up_work_under_way():
+    """Work a follow-up hands the worker may still run after its batch returned (the engine's
+    search of the rows of logits mods handed back); ``close`` waits for it (bounded), so that no
+    daemon thread is left inside native code when the interpreter exits."""
+    from mods.manager import CallRunner, dispatch_batch
+
+    started, let_go, done = threading.Event(), threading.Event(), []
+
+    def work():
+        started.set()
+        let_go.wait(10)
+        done.append(threading.current_thread())
+
+    runner = CallRunner(follow_up=lambda batch: work)
+    manager = ModManager([lambda e, t=None: ForceTokens([e.step])], call_timeout_s=30.0)
+    dispatch_batch([(manager, Sampled("r", 1, 1))], runner)
+    assert started.wait(10)
+    closing = threading.Thread(target=runner.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive() and not done, "close returned while the work was under way"
+    let_go.set()
+    closing.join(10)
+    assert not closing.is_alive() and done and not done[0].is_alive()
+
+
 class CustomBase(BaseException):
     pass
 
