@@ -96,6 +96,8 @@ _SDK_EVENTS = frozenset({Prefilled, ForwardPass, Sampled, Added})
 # (id(mod), event class) -> (the mod's reading in _READ that decided, the decision), since
 # forget_decisions; only for the SDK's own event classes (their instances' class is their type)
 _DECIDED: dict[tuple[int, type], tuple[tuple[Any, ...], bool]] = {}
+# (the mods, an event class) -> turns_away_all's answer, since forget_decisions or a mod's new reading
+_ALL_DECIDED: dict[tuple[tuple[Any, ...], type], bool] = {}
 
 
 def _decide(mod: types.FunctionType, entry: tuple[Any, ...], event: Any) -> bool:
@@ -151,10 +153,6 @@ def turns_away_all(mods: Sequence[Callable[..., Any]], kind: type) -> bool:
     if decided is None:
         decided = _ALL_DECIDED[key] = all(turns_away_kind(m, kind) for m in mods)
     return decided
-
-
-# (the mods, an event class) -> turns_away_all's answer, since forget_decisions or a mod's new reading
-_ALL_DECIDED: dict[tuple[tuple[Any, ...], type], bool] = {}
 
 
 # id(mod) -> (a weak reference to the mod, its code, the handler (an SDK wrapper's; None: the mod
