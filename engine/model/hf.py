@@ -44,6 +44,7 @@ from engine.model.compile_cache import use_compile_cache
 from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
 from engine.model.hook_names import resid_post
+from engine.model.gathered_rows import GatheredRows
 from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
 from engine.model.masks import AttentionMasks
@@ -115,6 +116,9 @@ class HuggingFaceBackend:
             config.paged_attention, device=self.device, dtype=self.dtype, block_size=bs,
             softcapped=getattr(mc, "attn_logit_softcapping", None) is not None)
         log.info("attention: %s", self.paged_reason)
+        # on a CPU with no paged kernel, the rows an eager forward gathers are kept for the next
+        # (engine/model/gathered_rows.py): each decode step then copies only the newest positions
+        self._gathered = GatheredRows(self.cache) if self.device.type == "cpu" and self.paged_kernel is None else None
         self._graphs: dict[GraphKey, StaticDecode] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_capture else None
         self.graph_stats = {"static_steps": 0, "eager_steps": 0, "graphs": 0}
@@ -212,6 +216,8 @@ class HuggingFaceBackend:
                                                       pool=self._graph_pool, compile=self._compile_decode,
                                                       paged=self.paged_kernel)
             self.graph_stats["graphs"] = len(self._graphs)
+        if self._gathered is not None:  # it writes the pool past the rows kept gathered
+            self._gathered.forget()
         out = decode.run([r.tokens[0] for r in rows], starts, [r.table for r in rows])
         self.graph_stats["static_steps"] += 1
         captured = tuple(RowCapture({layer: out.hidden[layer][b:b + 1] for layer in row.plan.hidden_layers},  # (1, d)
@@ -236,7 +242,8 @@ class HuggingFaceBackend:
         starts = [r.start for r in rows]
         self.graph_stats["eager_steps"] += 1
         q = max(lengths)
-        view, positions = BatchCacheView.build(self.cache, [r.table for r in rows], starts, lengths)  # (B, q)
+        view, positions = BatchCacheView.build(self.cache, [r.table for r in rows], starts, lengths,  # (B, q)
+                                               self._gathered)
         ids = torch.tensor([[0] * (q - len(r.tokens)) + list(r.tokens) for r in rows], dtype=torch.long,
                            device=self.device)  # (B, q)
         key_pos = torch.arange(view.kv_len, device=self.device)
@@ -257,8 +264,13 @@ class HuggingFaceBackend:
             cache = PagedCacheView(self.cache, view.write_index, paged)
             kwargs[PAGED_KWARG] = paged
         with torch.inference_mode(), self._steering(rows):
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
-                             logits_to_keep=0 if scoring else 1, **cache_argument(self.model, cache), **kwargs)
+            try:
+                out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                                 logits_to_keep=0 if scoring else 1, **cache_argument(self.model, cache), **kwargs)
+            except BaseException:
+                if self._gathered is not None:  # its layers were left half refreshed
+                    self._gathered.forget()
+                raise
             logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
             top = top_logprobs(logits) if any(r.top for r in rows) else None
             scores = tuple(score_positions(out.logits[b, q - len(r.tokens):], r.targets, r.score_top_k)  # type: ignore[arg-type]

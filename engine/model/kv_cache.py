@@ -14,7 +14,9 @@ shapes:
   pool (:mod:`engine.core.kv_manager`), the rest are overwritten as the request feeds again;
 * requests of different lengths share one batched forward: each row has its own table;
 * where a paged kernel serves the model (:mod:`engine.model.paged_attention`) nothing is gathered:
-  the kernel reads each row's blocks through its table.
+  the kernel reads each row's blocks through its table;
+* on a CPU with no such kernel, the rows an eager forward gathered are kept for the next
+  (:mod:`engine.model.gathered_rows`): a decode step copies again only what changed.
 
 Block 0 is the scratch block no request owns: left-padding columns, the padding rows of a static
 decode bucket and table entries past a request's end point there, so they never touch a live
@@ -43,6 +45,7 @@ class PagedKVCache:
         self.block_size, self.max_blocks = block_size, max_blocks
         self.dtype, self.device = dtype, device
         self.num_blocks = 0
+        self.version = 0  # moves when a block is copied into another (the gathered rows kept go stale)
         self.keys: list[torch.Tensor] = []  # per layer (num_blocks, block_size, kv_heads, head_dim)
         self.values: list[torch.Tensor] = []
         self.grow(min(max(blocks, 2), max_blocks))
@@ -63,6 +66,7 @@ class PagedKVCache:
         """Copy the first ``length`` positions of block ``src`` into ``dst`` (copy-on-write)."""
         if length <= 0:
             return
+        self.version += 1
         for buf in self.keys + self.values:
             buf[dst, :length].copy_(buf[src, :length])
 
@@ -104,14 +108,19 @@ class BatchCacheView:
     read_index: torch.Tensor  # (B, kv_len) long
     kv_len: int
     tables: torch.Tensor | None = None  # (B, ceil(kv_len / block_size)) long: what a paged kernel reads by
+    # the rows kept gathered between forwards (engine/model/gathered_rows.py); None: gathered afresh
+    gathered: Any = None
+    refresh: Any = None  # what this forward copies into them again (decided at its first layer)
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: Sequence[Sequence[int]], starts: Sequence[int],
-              lengths: Sequence[int]) -> tuple["BatchCacheView", torch.Tensor]:
+              lengths: Sequence[int], gathered: Any = None) -> tuple["BatchCacheView", torch.Tensor]:
         """Rows feeding ``lengths[b]`` tokens each, left-padded to the longest: row ``b``'s real
         tokens sit in the last ``lengths[b]`` columns at positions ``starts[b], …`` and its blocks
         are ``tables[b]`` (covering those positions). Returns the view and the ``(B, q)`` positions
-        (padding columns: position 0, written to the scratch block)."""
+        (padding columns: position 0, written to the scratch block). ``gathered``: the runner's
+        :class:`~engine.model.gathered_rows.GatheredRows`, whose kept rows :meth:`update` reads
+        (None: every layer gathers afresh)."""
         q = max(lengths)
         bs = cache.block_size
         kv_len = max(s + n for s, n in zip(starts, lengths))
@@ -124,7 +133,7 @@ class BatchCacheView:
         device = cache.device
         table_t = torch.tensor(padded, dtype=torch.long, device=device)  # (B, nb)
         view = cls(cache, torch.tensor(writes, dtype=torch.long, device=device),
-                   read_slots(table_t, kv_len, bs), kv_len, table_t)
+                   read_slots(table_t, kv_len, bs), kv_len, table_t, gathered)
         return view, torch.tensor(positions, dtype=torch.long, device=device).view(len(tables), q)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -133,11 +142,20 @@ class BatchCacheView:
         # ``kwargs=``; neither carries anything a paged view needs.
         b, kv, q, hd = key_states.shape
         length = self.read_index.shape[1]
+        gathered, refresh = self.gathered, self.refresh
+        if gathered is not None and refresh is None:
+            refresh = self.refresh = gathered.refresh(self.read_index, self.write_index)
+            if refresh is None:  # too large to keep: gathered afresh, as below
+                self.gathered = gathered = None
         out = []
-        for buf, new in ((self.cache.keys[layer_idx], key_states), (self.cache.values[layer_idx], value_states)):
+        for values, buf, new in ((False, self.cache.keys[layer_idx], key_states),
+                                 (True, self.cache.values[layer_idx], value_states)):
             flat = buf.view(-1, kv, hd)  # (num_blocks * block_size, kv, hd)
             flat.index_copy_(0, self.write_index, new.transpose(1, 2).reshape(b * q, kv, hd).to(buf.dtype))
-            out.append(flat.index_select(0, self.read_index.reshape(-1)).view(b, length, kv, hd).transpose(1, 2))
+            if gathered is not None:
+                out.append(gathered.read(layer_idx, values, flat, self.read_index, refresh))
+            else:
+                out.append(flat.index_select(0, self.read_index.reshape(-1)).view(b, length, kv, hd).transpose(1, 2))
         return out[0], out[1]
 
     # transformers asks a cache these when it builds masks or positions itself; we pass both, so

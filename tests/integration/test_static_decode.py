@@ -115,3 +115,33 @@ def test_compiled_decode_equals_eager_token_for_token_and_carries_the_same_inter
         assert decodes and compiled.backend.graph_stats["static_steps"] > 0
         assert all(d.compile_error is None for d in decodes), [d.compile_error for d in decodes]
     assert counters["stats"]["unique_graphs"] > before, "nothing was compiled: the test proved nothing"
+
+
+def test_an_eager_forward_after_a_static_decode_reads_what_the_static_decode_wrote(static_engine):
+    """On a CPU the eager forwards keep the rows they gathered from one forward to the next
+    (``engine/model/gathered_rows.py``); a static decode writes the pool past them, so the runner
+    forgets them there. A static decode that writes a position again (as after a Backtrack), then
+    an eager forward reading it: the same logits as with every forward gathering afresh."""
+    import torch
+
+    from engine.model.backend import ForwardBatch, ForwardRow
+
+    backend = static_engine.backend
+    table = tuple(range(backend.cache.num_blocks - 2, backend.cache.num_blocks))  # blocks no request holds now
+    prompt = tuple(static_engine.encode("The sea is wide and deep"))[:8]
+
+    def run() -> torch.Tensor:
+        backend.execute(ForwardBatch((ForwardRow("a", 0, prompt, table=table),)))  # eager: the prompt
+        backend.execute(ForwardBatch((ForwardRow("a", 3, (prompt[1],), table=table),)))  # static: position 3 again
+        return backend.execute(ForwardBatch((ForwardRow("a", 4, prompt[4:6], table=table),))).logits  # eager
+
+    steps = dict(backend.graph_stats)
+    kept = run()
+    assert backend.graph_stats["static_steps"] == steps["static_steps"] + 1, "the middle forward was not static"
+    keep, backend._gathered = backend._gathered, None
+    try:
+        fresh = run()
+    finally:
+        backend._gathered = keep
+    assert keep is not None, "a CPU runner keeps the rows it gathers"
+    assert torch.equal(kept, fresh)
