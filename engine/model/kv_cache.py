@@ -111,6 +111,7 @@ class BatchCacheView:
     # the rows kept gathered between forwards (engine/model/gathered_rows.py); None: gathered afresh
     gathered: Any = None
     refresh: Any = None  # what this forward copies into them again (decided at its first layer)
+    positions: torch.Tensor | None = None  # (B, q): the positions each row writes (for ``gathered``)
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: Sequence[Sequence[int]], starts: Sequence[int],
@@ -132,9 +133,10 @@ class BatchCacheView:
         padded = [list(t[:nb]) + [SCRATCH_BLOCK] * (nb - len(t[:nb])) for t in tables]
         device = cache.device
         table_t = torch.tensor(padded, dtype=torch.long, device=device)  # (B, nb)
+        fed = torch.tensor(positions, dtype=torch.long, device=device).view(len(tables), q)
         view = cls(cache, torch.tensor(writes, dtype=torch.long, device=device),
-                   read_slots(table_t, kv_len, bs), kv_len, table_t, gathered)
-        return view, torch.tensor(positions, dtype=torch.long, device=device).view(len(tables), q)
+                   read_slots(table_t, kv_len, bs), kv_len, table_t, gathered, positions=fed)
+        return view, fed
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: Any = None, **_: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +146,8 @@ class BatchCacheView:
         length = self.read_index.shape[1]
         gathered, refresh = self.gathered, self.refresh
         if gathered is not None and refresh is None:
-            refresh = self.refresh = gathered.refresh(self.read_index, self.write_index)
+            assert self.positions is not None  # internal invariant: build() gives them with gathered rows
+            refresh = self.refresh = gathered.refresh(self.read_index, self.positions)
             if refresh is None:  # too large to keep: gathered afresh, as below
                 self.gathered = gathered = None
         out = []

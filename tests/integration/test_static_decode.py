@@ -117,15 +117,17 @@ def test_compiled_decode_equals_eager_token_for_token_and_carries_the_same_inter
     assert counters["stats"]["unique_graphs"] > before, "nothing was compiled: the test proved nothing"
 
 
-def test_an_eager_forward_after_a_static_decode_reads_what_the_static_decode_wrote(static_engine):
+def test_an_eager_forward_after_a_static_decode_reads_what_the_static_decode_wrote(static_engine, monkeypatch):
     """On a CPU the eager forwards keep the rows they gathered from one forward to the next
     (``engine/model/gathered_rows.py``); a static decode writes the pool past them, so the runner
     forgets them there. A static decode that writes a position again (as after a Backtrack), then
     an eager forward reading it: the same logits as with every forward gathering afresh."""
     import torch
 
+    from engine.model import gathered_rows
     from engine.model.backend import ForwardBatch, ForwardRow
 
+    monkeypatch.setattr(gathered_rows, "GATHERED_MIN_BYTES", 0)  # the test model's rows are small
     backend = static_engine.backend
     table = tuple(range(backend.cache.num_blocks - 2, backend.cache.num_blocks))  # blocks no request holds now
     prompt = tuple(static_engine.encode("The sea is wide and deep"))[:8]
@@ -143,5 +145,5 @@ def test_an_eager_forward_after_a_static_decode_reads_what_the_static_decode_wro
         fresh = run()
     finally:
         backend._gathered = keep
-    assert keep is not None, "a CPU runner keeps the rows it gathers"
+    assert keep is not None and keep.keys, "a CPU runner keeps the rows it gathers"
     assert torch.equal(kept, fresh)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from engine.model import gathered_rows
@@ -14,6 +15,12 @@ from engine.model.gathered_rows import GatheredRows
 from engine.model.kv_cache import BatchCacheView, PagedKVCache
 
 LAYERS, KV, HD, BS = 2, 2, 4, 4
+
+
+@pytest.fixture(autouse=True)
+def _keep_small_rows(monkeypatch):
+    """This file's pools are tiny: kept however small (the runner's floor is for speed only)."""
+    monkeypatch.setattr(gathered_rows, "GATHERED_MIN_BYTES", 0)
 
 
 def _pool() -> PagedKVCache:
@@ -74,6 +81,16 @@ def test_kept_rows_read_as_a_fresh_gather_through_joins_leaves_moves_and_going_b
         for r, n in zip(rows, lengths):
             r["length"] += n
     assert gathered.keys and gathered._slots is not None, "the rows were kept throughout"
+
+
+def test_a_forward_too_small_to_pay_is_gathered_afresh(monkeypatch):
+    caches = [_pool(), _pool()]
+    gathered = GatheredRows(caches[0])
+    monkeypatch.setattr(gathered_rows, "GATHERED_MIN_BYTES", 1 << 20)
+    for step in range(3):
+        _same(_forward(caches, gathered, [[1, 2, 3]], [0 if step == 0 else 5 + step], [6 if step == 0 else 1],
+                       seed=step))
+    assert not gathered.keys, "rows kept below the floor"
 
 
 def test_a_forward_too_large_to_keep_is_gathered_afresh(monkeypatch):
