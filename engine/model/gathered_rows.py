@@ -25,7 +25,7 @@ import torch
 
 from engine.model.kv_cache import PagedKVCache
 
-__all__ = ["GatheredRows", "Refresh", "GATHERED_MAX_BYTES"]
+__all__ = ["GatheredRows", "Refresh", "GATHERED_MAX_BYTES", "GATHERED_MIN_BYTES"]
 
 #: The most memory the kept rows may take (every layer's keys and values); a forward whose rows
 #: would need more gathers them afresh, as if nothing were kept.
@@ -66,8 +66,9 @@ class GatheredRows:
 
     def refresh(self, read_index: torch.Tensor, positions: torch.Tensor) -> Refresh | None:
         """What a forward reading ``read_index (B, kv_len)`` and writing each row's ``positions (B,
-        q)`` copies again (None: its rows would take more than :data:`GATHERED_MAX_BYTES`; gather
-        them afresh). Called once a forward, before its first layer reads."""
+        q)`` copies again (None: its whole gather is under :data:`GATHERED_MIN_BYTES`, or its rows
+        would take more than :data:`GATHERED_MAX_BYTES`; gather them afresh). Called once a
+        forward, before its first layer reads."""
         rows, length = read_index.shape
         cache = self.cache
         itemsize = torch.empty((), dtype=cache.dtype).element_size()

@@ -42,9 +42,9 @@ from engine.model.capture import (
 )
 from engine.model.compile_cache import use_compile_cache
 from engine.model.devices import resolve_device, resolve_dtype
+from engine.model.gathered_rows import GatheredRows
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
 from engine.model.hook_names import resid_post
-from engine.model.gathered_rows import GatheredRows
 from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
 from engine.model.masks import AttentionMasks

@@ -148,7 +148,7 @@ class BatchCacheView:
         if gathered is not None and refresh is None:
             assert self.positions is not None  # internal invariant: build() gives them with gathered rows
             refresh = self.refresh = gathered.refresh(self.read_index, self.positions)
-            if refresh is None:  # too large to keep: gathered afresh, as below
+            if refresh is None:  # too small to pay, or too large to keep: gathered afresh, as below
                 self.gathered = gathered = None
         out = []
         for values, buf, new in ((False, self.cache.keys[layer_idx], key_states),
