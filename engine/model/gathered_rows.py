@@ -70,10 +70,7 @@ class GatheredRows:
         would take more than :data:`GATHERED_MAX_BYTES`; gather them afresh). Called once a
         forward, before its first layer reads."""
         rows, length = read_index.shape
-        cache = self.cache
-        itemsize = torch.empty((), dtype=cache.dtype).element_size()
-        if 2 * cache.num_layers * rows * length * cache.kv_heads * cache.head_dim * itemsize < GATHERED_MIN_BYTES \
-                or not self._fit(rows, length):
+        if self._nbytes(rows, length) < GATHERED_MIN_BYTES or not self._fit(rows, length):
             self.forget()
             return None
         last, last_version = self._slots, self._version
@@ -102,6 +99,11 @@ class GatheredRows:
             store.view(-1, *flat.shape[1:]).index_copy_(0, refresh.kept, flat.index_select(0, refresh.slots))
         return kept.transpose(1, 2)
 
+    def _nbytes(self, rows: int, length: int) -> int:
+        """Every layer's keys and values of ``rows × length`` positions."""
+        cache = self.cache
+        return 2 * cache.num_layers * rows * length * cache.kv_heads * cache.head_dim * cache.dtype.itemsize
+
     def _fit(self, rows: int, length: int) -> bool:
         """Room for ``rows × length`` positions (grown, keeping what is kept), within the budget."""
         cache = self.cache
@@ -109,8 +111,7 @@ class GatheredRows:
         if rows <= have_rows and length <= have:
             return True
         want_rows, want = max(rows, have_rows), max(have, -(-length // _POSITIONS_STEP) * _POSITIONS_STEP)
-        itemsize = torch.empty((), dtype=cache.dtype).element_size()
-        if 2 * cache.num_layers * want_rows * want * cache.kv_heads * cache.head_dim * itemsize > GATHERED_MAX_BYTES:
+        if self._nbytes(want_rows, want) > GATHERED_MAX_BYTES:
             return False
         shape = (want_rows, want, cache.kv_heads, cache.head_dim)
         grown = []

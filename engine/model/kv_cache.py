@@ -29,9 +29,12 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+
+if TYPE_CHECKING:  # gathered_rows imports this module
+    from engine.model.gathered_rows import GatheredRows, Refresh
 
 __all__ = ["PagedKVCache", "BatchCacheView", "SCRATCH_BLOCK", "read_slots", "write_slots", "cache_argument"]
 
@@ -109,13 +112,13 @@ class BatchCacheView:
     kv_len: int
     tables: torch.Tensor | None = None  # (B, ceil(kv_len / block_size)) long: what a paged kernel reads by
     # the rows kept gathered between forwards (engine/model/gathered_rows.py); None: gathered afresh
-    gathered: Any = None
-    refresh: Any = None  # what this forward copies into them again (decided at its first layer)
+    gathered: "GatheredRows | None" = None
+    refresh: "Refresh | None" = None  # what this forward copies into them again (decided at its first layer)
     positions: torch.Tensor | None = None  # (B, q): the positions each row writes (for ``gathered``)
 
     @classmethod
     def build(cls, cache: PagedKVCache, tables: Sequence[Sequence[int]], starts: Sequence[int],
-              lengths: Sequence[int], gathered: Any = None) -> tuple["BatchCacheView", torch.Tensor]:
+              lengths: Sequence[int], gathered: "GatheredRows | None" = None) -> tuple["BatchCacheView", torch.Tensor]:
         """Rows feeding ``lengths[b]`` tokens each, left-padded to the longest: row ``b``'s real
         tokens sit in the last ``lengths[b]`` columns at positions ``starts[b], …`` and its blocks
         are ``tables[b]`` (covering those positions). Returns the view and the ``(B, q)`` positions
@@ -144,18 +147,19 @@ class BatchCacheView:
         # ``kwargs=``; neither carries anything a paged view needs.
         b, kv, q, hd = key_states.shape
         length = self.read_index.shape[1]
-        gathered, refresh = self.gathered, self.refresh
-        if gathered is not None and refresh is None:
+        gathered = self.gathered
+        if gathered is not None and self.refresh is None:
             assert self.positions is not None  # internal invariant: build() gives them with gathered rows
-            refresh = self.refresh = gathered.refresh(self.read_index, self.positions)
-            if refresh is None:  # too small to pay, or too large to keep: gathered afresh, as below
+            self.refresh = gathered.refresh(self.read_index, self.positions)
+            if self.refresh is None:  # too small to pay, or too large to keep: gathered afresh, as below
                 self.gathered = gathered = None
+        refresh = self.refresh
         out = []
         for values, buf, new in ((False, self.cache.keys[layer_idx], key_states),
                                  (True, self.cache.values[layer_idx], value_states)):
             flat = buf.view(-1, kv, hd)  # (num_blocks * block_size, kv, hd)
             flat.index_copy_(0, self.write_index, new.transpose(1, 2).reshape(b * q, kv, hd).to(buf.dtype))
-            if gathered is not None:
+            if gathered is not None and refresh is not None:
                 out.append(gathered.read(layer_idx, values, flat, self.read_index, refresh))
             else:
                 out.append(flat.index_select(0, self.read_index.reshape(-1)).view(b, length, kv, hd).transpose(1, 2))

@@ -147,3 +147,28 @@ def test_an_eager_forward_after_a_static_decode_reads_what_the_static_decode_wro
         backend._gathered = keep
     assert keep is not None and keep.keys, "a CPU runner keeps the rows it gathers"
     assert torch.equal(kept, fresh)
+
+
+def test_a_forward_that_raises_makes_the_runner_forget_the_rows_it_kept(static_engine, monkeypatch):
+    """An eager forward that raises after its first layer has left the later layers' kept rows
+    unrefreshed: the runner forgets them, so the next forward copies everything again."""
+    from engine.model import gathered_rows
+    from engine.model.backend import ForwardBatch, ForwardRow
+    from engine.model.kv_cache import BatchCacheView
+
+    monkeypatch.setattr(gathered_rows, "GATHERED_MIN_BYTES", 0)  # the test model's rows are small
+    backend = static_engine.backend
+    table = tuple(range(backend.cache.num_blocks - 2, backend.cache.num_blocks))  # blocks no request holds now
+    prompt = tuple(static_engine.encode("The sea is wide and deep"))[:8]
+    backend.execute(ForwardBatch((ForwardRow("a", 0, prompt, table=table),)))
+    assert backend._gathered._slots is not None, "the rows were kept"
+    real = BatchCacheView.update
+
+    def failing(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == 1:
+            raise RuntimeError("a layer failed")
+        return real(self, key_states, value_states, layer_idx, *args, **kwargs)
+    monkeypatch.setattr(BatchCacheView, "update", failing)
+    with pytest.raises(Exception):
+        backend.execute(ForwardBatch((ForwardRow("a", 4, prompt[4:6], table=table),)))
+    assert backend._gathered._slots is None

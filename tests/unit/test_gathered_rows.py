@@ -105,16 +105,26 @@ def test_a_forward_too_large_to_keep_is_gathered_afresh(monkeypatch):
     assert gathered.keys
 
 
-def test_a_forward_that_fails_half_way_leaves_nothing_stale():
-    """The runner forgets the kept rows when a forward raises: the layers after the failure were
-    never refreshed."""
+@pytest.mark.parametrize("forgotten", [True, False], ids=["forgotten", "not forgotten (stale)"])
+def test_a_forward_that_fails_half_way_is_read_right_after_a_forget(forgotten):
+    """A forward that raised after its first layer left the later layers' kept rows unrefreshed
+    for its own row order: the next forward, in that order, reads them right once they are
+    forgotten (what the runner does when a forward raises), and reads stale rows if not."""
     caches = [_pool(), _pool()]
     gathered = GatheredRows(caches[0])
     _same(_forward(caches, gathered, [[1, 2], [3, 4]], [0, 0], [5, 3], seed=1))
-    view, _ = BatchCacheView.build(caches[0], [[1, 2], [3, 4]], [5, 3], [1, 1], gathered)
+    swapped = [[3, 4], [1, 2]]  # the rows change places; the forward fails after layer 0
+    view, _ = BatchCacheView.build(caches[0], swapped, [3, 5], [1, 1], gathered)
     new = torch.randn(2, KV, 1, HD)
-    view.update(new, new, 0)  # layer 0 refreshed; the forward fails before layer 1
-    caches[1].keys[0].copy_(caches[0].keys[0])
-    caches[1].values[0].copy_(caches[0].values[0])
-    gathered.forget()
-    _same(_forward(caches, gathered, [[1, 2], [3, 4]], [5, 3], [1, 1], seed=3))
+    view.update(new, new, 0)
+    for cache in caches[1:]:
+        cache.keys[0].copy_(caches[0].keys[0])
+        cache.values[0].copy_(caches[0].values[0])
+    if forgotten:
+        gathered.forget()
+    reads = _forward(caches, gathered, swapped, [3, 5], [1, 1], seed=3)
+    if forgotten:
+        _same(reads)
+    else:
+        with pytest.raises(AssertionError):
+            _same(reads)
