@@ -7,8 +7,12 @@ accumulation of the same products; results differ from MKL's only by the order o
 ~1e-7 relative), but on this project's 2-core AVX-512 CPU the embedded model's linear layers run
 ~1.9x faster for 8 and 32 rows (measured per layer shape, one thread:
 the estimate of a decode step's GEMMs is 47 → 27 ms at 8 rows, 106 → 71 ms at 32; a whole decode
-step of 8 requests run from the step loop's thread, two threads, 109 → 77 ms). A lone row (one
-request decoding) keeps MKL's GEMM, which measured faster there from the step loop's thread.
+step of 8 requests run from the step loop's thread, two threads, 109 → 77 ms). The gain depends
+on the processor: on a later host of the same 2-core VM, MKL's GEMMs ran as fast as the packed
+ones (the embedded model at 32 requests, a whole run, within a few per cent either way). A lone
+row (one request decoding) keeps MKL's GEMM, which measured faster there from the step loop's
+thread; MKL may thread it differently from one process to the next, so its rounding (up to ~1e-3
+in the logits) is not reproducible across processes.
 This is what vLLM's CPU backend does with its prepacked GEMMs, taken from torch itself
 (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``); inductor's own weight
 prepacking (``freezing``) packs float32 weights for MKL instead, which measured no faster here.
