@@ -257,10 +257,23 @@ class StepLoop:
     # ------------------------------------------------------------------------------- the loop
 
     def _run(self) -> None:
+        holds_team = False  # this thread's torch work since it last gave back its OpenMP workers
         while True:
             with self._cond:
                 while not self.scheduler.has_work and not self._calls and not self._jobs and not self._closing:
                     self._sampled_at = None  # idle time is no launch gap
+                    if holds_team:
+                        # an idle loop keeps no team: while it did, libgomp made every parallel op of
+                        # the process's other threads (another engine's loop, the caller's own torch
+                        # work) wake its workers from sleep, small ones ~8x slower on two cores
+                        # (engine/model/openmp.py); the next step makes a new team
+                        holds_team = False
+                        self._cond.release()  # submitters need not wait for the workers to stop
+                        try:
+                            release_thread_team()
+                        finally:
+                            self._cond.acquire()
+                        continue
                     self._cond.wait()
                 if self._closing and not self.scheduler.running and not self._calls:
                     return
@@ -268,6 +281,7 @@ class StepLoop:
                 calls, self._calls = self._calls, []
                 if self.scheduler.admit():
                     self._cond.notify_all()  # room in the queue for blocked submitters
+            holds_team = True
             for fn, future in calls:
                 try:
                     future.set_result(fn(self))

@@ -1,6 +1,6 @@
 """The thread that hands work to the step loop gives back its OpenMP workers, so the loop's thread
-holds the only team: with two teams on a small machine libgomp wakes workers from sleep for every
-parallel op of the forward (engine/model/openmp.py)."""
+holds the only team, and the loop gives back its own when it goes idle: with two teams on a small
+machine libgomp wakes workers from sleep for every parallel op of the forward (engine/model/openmp.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,11 @@ NEEDS_OPENMP = pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cp
                                   reason="needs Linux, torch on OpenMP and at least two cores")
 
 
-def _probe(source: str) -> dict:
+def _probe(source: str, *args: str) -> dict:
     """Run ``source`` in a process of its own with two OpenMP threads; what it printed last, as JSON."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", source], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run([sys.executable, "-c", source, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -70,15 +71,107 @@ def test_releasing_gives_back_the_calling_threads_workers():
     assert box["released"] and box["again"]
 
 
-def test_the_step_loop_releases_the_submitting_thread_not_its_own(engine, monkeypatch):
+def test_the_step_loop_releases_the_submitting_thread_and_its_own_only_when_idle(engine, monkeypatch):
     from engine.core import step_loop
 
-    seen: list[str] = []
-    monkeypatch.setattr(step_loop, "release_thread_team", lambda: seen.append(threading.current_thread().name))
+    loop = engine.loop
+    seen: list[tuple[str, bool]] = []  # (thread, did the loop hold requests then)
+    monkeypatch.setattr(step_loop, "release_thread_team",
+                        lambda: seen.append((threading.current_thread().name, bool(loop.scheduler.running))))
     result = engine.generate("Hello", max_tokens=2, temperature=0.0)
     assert result.sequence_ids  # positive control: it ran on the loop
-    assert seen and set(seen) == {threading.current_thread().name}, seen
-    assert engine.loop._thread is not None and engine.loop._thread.name not in seen
+    assert loop._thread is not None
+    deadline = time.monotonic() + 30  # the loop goes idle just after the result is handed back
+    while not any(name == loop._thread.name for name, _ in seen) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    submitter = threading.current_thread().name
+    assert (submitter, False) in seen, seen  # handed over before the loop took the request
+    by_loop = [busy for name, busy in seen if name == loop._thread.name]
+    assert by_loop, seen  # the idle loop gave its team back
+    assert not any(by_loop), seen  # never between the steps of a request
+    assert {name for name, _ in seen} <= {submitter, loop._thread.name}, seen
+
+
+# Another libgomp copy mapped first (sentencepiece's wheel ships one and the tokenizer loads it):
+# pausing that copy's threads reports success and frees none of torch's.
+_OTHER_COPY_PROBE = """
+import ctypes, json, os, shutil, sys, threading, time
+import torch
+from engine.model.openmp import release_thread_team
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+ours = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line})
+copy = os.path.join(sys.argv[1], "libgomp-copy.so.1")
+shutil.copy(ours[0], copy)
+ctypes.CDLL(copy)  # mapped beside torch's, as a wheel's vendored copy is
+box = {"copies": len({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line})}
+
+def in_a_thread():
+    torch.randn(2_000_000).exp_()  # large enough for torch to split it over its threads
+    box["with_team"] = threads()
+    box["released"] = release_thread_team()
+    deadline = time.monotonic() + 10  # the workers exit on their own once told
+    while threads() >= box["with_team"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    box["after"] = threads()
+
+thread = threading.Thread(target=in_a_thread)
+thread.start()
+thread.join(60)
+print(json.dumps(box))
+"""
+
+
+@NEEDS_OPENMP
+def test_releasing_frees_torchs_workers_with_another_libgomp_mapped(tmp_path):
+    box = _probe(_OTHER_COPY_PROBE, str(tmp_path))
+    assert box["copies"] == 2, box  # positive control: two copies mapped
+    assert box["released"], box
+    assert box["after"] < box["with_team"], box
+
+
+# A real engine (its tokenizer maps the other libgomp copy where sentencepiece is installed): after
+# the loop's thread runs a parallel op, going idle gives its workers back.
+_IDLE_LOOP_PROBE = """
+import json, os, time
+import torch
+from engine import Engine
+from tests.helpers import build_config
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def settled():
+    deadline, last, since = time.monotonic() + 20, threads(), time.monotonic()
+    while time.monotonic() - since < 1.0 and time.monotonic() < deadline:  # unchanged for a second
+        time.sleep(0.02)
+        if threads() != last:
+            last, since = threads(), time.monotonic()
+    return last
+
+box = {}
+with Engine(build_config()) as engine:
+    box["generated"] = len(engine.generate("Hello", max_tokens=2, temperature=0.0).output_ids)
+    box["idle"] = settled()
+
+    def parallel(loop):
+        torch.randn(2_000_000).exp_()  # large enough for torch to split it over its threads
+        box["busy"] = threads()
+
+    engine.loop.call(parallel)
+    box["idle_again"] = settled()
+print(json.dumps(box))
+"""
+
+
+@NEEDS_OPENMP
+def test_an_idle_step_loop_holds_no_openmp_workers():
+    box = _probe(_IDLE_LOOP_PROBE)
+    assert box["generated"] == 2, box
+    assert box["busy"] > box["idle"], box  # positive control: the loop's op made workers (none were kept)
+    assert box["idle_again"] < box["busy"], box
 
 
 # The mods' thread: the engine's host copy of a step's logits takes no OpenMP team there, and a team
