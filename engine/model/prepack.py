@@ -53,16 +53,19 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> str | None:
 class PackedLinearForward:
     """``x (..., in) → (..., out)``: one linear layer against its oneDNN-packed weight."""
 
-    __slots__ = ("linear", "packed", "op", "eager")
+    __slots__ = ("linear", "packed", "bias", "dtype", "op", "eager")
 
     def __init__(self, linear: torch.nn.Linear, batch_hint: int) -> None:
         self.linear, self.op = linear, _packed_linear_op()  # resolved here: a compiled step never traces the lookup
-        # an eager forward calls oneDNN's op itself: the custom op's dispatch through Python costs
-        # 4-12 us a call (a 32-request decode step of the embedded model makes 211 of them)
-        self.eager = torch.ops.mkldnn._linear_pointwise.default
+        # an eager forward calls oneDNN's op itself, through its C++ entry point: the custom op's
+        # dispatch through Python costs 4-12 us a call, and even OpOverload's own __call__ adds a
+        # Python frame (a 32-request decode step of the embedded model makes 211 calls)
+        self.eager = torch.ops.mkldnn._linear_pointwise.default._op
+        self.dtype = linear.weight.dtype
         with torch.no_grad():
             # the hint picks the blocked layout; any row count runs against it (measured: within noise)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+            self.bias = linear.bias.detach() if linear.bias is not None else None  # packed at load, as the weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear
@@ -73,13 +76,11 @@ class PackedLinearForward:
             # packed GEMM measured slower than MKL's (64 vs 61 ms a step; faster only from the main
             # thread), while from two rows on it wins in either thread
             return torch.nn.functional.linear(x, linear.weight, linear.bias)
-        if x.dtype != linear.weight.dtype:  # the plain op's error, not oneDNN's
-            raise RuntimeError(f"expected input dtype {linear.weight.dtype}, got {x.dtype}")
-        bias = linear.bias.detach() if linear.bias is not None else None
+        if x.dtype != self.dtype:  # the plain op's error, not oneDNN's
+            raise RuntimeError(f"expected input dtype {self.dtype}, got {x.dtype}")
         if not torch.compiler.is_compiling():
-            out = self.eager(x.reshape(-1, x.shape[-1]), self.packed, bias, "none", [], "")  # (rows, out)
-        else:
-            out = self.op(x.reshape(-1, x.shape[-1]), self.packed, bias)
+            return self.eager(x, self.packed, self.bias, "none", [], "")  # (..., out): the op folds the leading dims
+        out = self.op(x.reshape(-1, x.shape[-1]), self.packed, self.bias)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
