@@ -34,15 +34,26 @@ def _probe(source: str, *args: str) -> dict:
 
 # In a process of its own: the test runner's other threads (Ray's, other tests' teams) come and go
 # and would blur a count of this thread's workers.
+# With a folder argument, a copy of torch's libgomp is mapped first, as a wheel's vendored copy is
+# (sentencepiece's, which the tokenizer loads): pausing that copy's threads reports success and
+# frees none of torch's.
 _PROBE = """
-import json, os, threading, time
+import ctypes, json, os, shutil, sys, threading, time
 import torch
 from engine.model.openmp import release_thread_team
 
 def threads():
     return len(os.listdir("/proc/self/task"))
 
+def mapped():
+    return sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line})
+
 box = {"torch_threads": torch.get_num_threads()}
+if len(sys.argv) > 1:
+    copy = os.path.join(sys.argv[1], "libgomp-copy.so.1")
+    shutil.copy(mapped()[0], copy)
+    ctypes.CDLL(copy)
+    box["copies"] = len(mapped())
 
 def in_a_thread():
     box["before"] = threads()
@@ -92,42 +103,11 @@ def test_the_step_loop_releases_the_submitting_thread_and_its_own_only_when_idle
     assert {name for name, _ in seen} <= {submitter, loop._thread.name}, seen
 
 
-# Another libgomp copy mapped first (sentencepiece's wheel ships one and the tokenizer loads it):
-# pausing that copy's threads reports success and frees none of torch's.
-_OTHER_COPY_PROBE = """
-import ctypes, json, os, shutil, sys, threading, time
-import torch
-from engine.model.openmp import release_thread_team
-
-def threads():
-    return len(os.listdir("/proc/self/task"))
-
-ours = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line})
-copy = os.path.join(sys.argv[1], "libgomp-copy.so.1")
-shutil.copy(ours[0], copy)
-ctypes.CDLL(copy)  # mapped beside torch's, as a wheel's vendored copy is
-box = {"copies": len({line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line})}
-
-def in_a_thread():
-    torch.randn(2_000_000).exp_()  # large enough for torch to split it over its threads
-    box["with_team"] = threads()
-    box["released"] = release_thread_team()
-    deadline = time.monotonic() + 10  # the workers exit on their own once told
-    while threads() >= box["with_team"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    box["after"] = threads()
-
-thread = threading.Thread(target=in_a_thread)
-thread.start()
-thread.join(60)
-print(json.dumps(box))
-"""
-
-
 @NEEDS_OPENMP
 def test_releasing_frees_torchs_workers_with_another_libgomp_mapped(tmp_path):
-    box = _probe(_OTHER_COPY_PROBE, str(tmp_path))
+    box = _probe(_PROBE, str(tmp_path))
     assert box["copies"] == 2, box  # positive control: two copies mapped
+    assert box["with_team"] > box["before"], box  # and the parallel op made workers
     assert box["released"], box
     assert box["after"] < box["with_team"], box
 
