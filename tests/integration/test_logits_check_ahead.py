@@ -65,12 +65,12 @@ def searched_ahead(monkeypatch) -> list[tuple[str, int]]:
     that searched, rows searched)."""
     monkeypatch.setattr(tensor, "CHECK_AHEAD_MIN_BYTES", 0)
     seen: list[tuple[str, int]] = []
-    real = HostLogits._maxima_of
+    real = HostLogits._search
 
-    def maxima_of(self, keys):
-        seen.append((threading.current_thread().name, len(keys)))
-        return real(self, keys)
-    monkeypatch.setattr(HostLogits, "_maxima_of", maxima_of)
+    def search(self, spans):
+        seen.append((threading.current_thread().name, sum(len(span.keys) for span in spans)))
+        return real(self, spans)
+    monkeypatch.setattr(HostLogits, "_search", search)
     return seen
 
 

@@ -214,18 +214,29 @@ def test_a_row_shared_in_place_is_lent_as_the_batchs_own_row_and_known_by_its_ke
     assert host.was_lent(1) and host.was_lent(3) and host.was_lent(2)
 
 
+def _rows_searched(monkeypatch) -> list[int]:
+    """How many rows each search of lent rows read (a span's rows, or the rows it gathered)."""
+    from engine.model import tensor
+
+    searched: list[int] = []
+    real = tensor._Span.maxima
+
+    def maxima(span):
+        searched.append(span.array.shape[0] if span.rows is None else len(span.rows))
+        return real(span)
+    monkeypatch.setattr(tensor._Span, "maxima", maxima)
+    return searched
+
+
 def test_rows_lent_in_place_are_checked_over_the_span_they_lie_in_when_they_are_most_of_it(monkeypatch):
     """A step's rows lent in place are checked in one pass over the span of the batch they lie in
     when they are most of it (rows still feeding a prompt are not lent: gathering the others first
     would copy them), and gathered when few; either way each lent row's maximum is the one its mod
     left, and a row nobody was lent is never reported."""
-    from engine.model import tensor
     from engine.model.backend import top_logprobs
     from engine.model.tensor import HostLogits
 
-    searched = []
-    real = tensor.row_max
-    monkeypatch.setattr(tensor, "row_max", lambda x: searched.append(x.shape[0]) or real(x))
+    searched = _rows_searched(monkeypatch)
     batch = torch.randn(6, 700, generator=torch.Generator().manual_seed(2))
     host = HostLogits(batch, top=top_logprobs(batch))
     for row in range(6):
@@ -238,6 +249,15 @@ def test_rows_lent_in_place_are_checked_over_the_span_they_lie_in_when_they_are_
     host.lend(5)[0, 1] = 3e6  # read after the first ask: only it
     assert host.row_max(-6) == (3e6, 1)
     assert searched == [5, 1]  # rows 0-4 (row 3 read too), then row 5
+
+    searched.clear()
+    host = HostLogits(batch, top=top_logprobs(batch))
+    for row in range(6):
+        host.share(row)
+    for row in (0, 4):  # two rows of the five they span: gathered
+        host.lend(row)[0, 7 * row] = 5e6 + row
+    assert [host.row_max(-1 - row) for row in (0, 4)] == [(5e6, 0), (5e6 + 4, 28)]
+    assert searched == [2]
 
 
 def test_a_check_ahead_searches_the_rows_handed_back_and_the_reader_waits_for_it_or_searches_again(monkeypatch):
@@ -262,9 +282,7 @@ def test_a_check_ahead_searches_the_rows_handed_back_and_the_reader_waits_for_it
     assert lent_host().check_ahead(keys) is None  # 6 rows of 700: far under the threshold
 
     monkeypatch.setattr(tensor, "CHECK_AHEAD_MIN_BYTES", 0)
-    searched = []
-    real = tensor.row_max
-    monkeypatch.setattr(tensor, "row_max", lambda x: searched.append(x.shape[0]) or real(x))
+    searched = _rows_searched(monkeypatch)
     host = lent_host()
     work = host.check_ahead(keys[1:])  # row 0 was lent but not handed back
     assert work is not None and host.check_ahead(keys) is None  # one under way at a time
@@ -277,11 +295,13 @@ def test_a_check_ahead_searches_the_rows_handed_back_and_the_reader_waits_for_it
     reader.join(10)
     assert got == expected and searched == [1, 5]
 
-    def failing(x):
+    real = tensor._Span.maxima
+
+    def failing(span):
         if threading.current_thread() is worker:
             raise MemoryError("the check ahead failed")
-        return real(x)
-    monkeypatch.setattr(tensor, "row_max", failing)
+        return real(span)
+    monkeypatch.setattr(tensor._Span, "maxima", failing)
     host = lent_host()
     failed = host.check_ahead(keys)
 
