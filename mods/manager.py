@@ -190,7 +190,6 @@ class _Pending:
         rejected: ModAction | None = None
         fatal = False
         request_id = getattr(event, "request_id", None)
-        forget_decisions()  # the mod's code may rebind what guards read: they are read afresh after it
         _ensure_installed()
         buffer = self.buffer = CaptureBuffer()
         token = _active.set(buffer)
@@ -214,6 +213,8 @@ class _Pending:
                 pop_request_context(context)
         finally:
             _active.reset(token)
+            # the mod's code may have rebound what guards read: they are read afresh after it (once
+            # after each call is enough: guards are read between calls, never during one)
             forget_decisions()
         self.elapsed_ms = (time.perf_counter() - t0) * 1000.0
         self.outcome = (action, exception, rejected, fatal)

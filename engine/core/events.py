@@ -58,18 +58,20 @@ def forward_event(request_id: str, step: int, output: RowOutput | RowCapture, la
     )
 
 
-def released_logits(event: Any, step: int | None = None) -> Any:
+def released_logits(event: Any, step: int | None = None, shape: tuple[int, ...] | None = None) -> Any:
     """A copy of ``event`` (a ForwardPass, or an AdjustedLogits of step ``step``) for a result
     that does not keep logits: the same fields, its logits a :class:`ReleasedLogits`. The mods
-    and listeners that received ``event`` itself keep what they hold."""
+    and listeners that received ``event`` itself keep what they hold. ``shape``: the logits'
+    shape when the caller knows it (a ForwardPass's row is ``(1, V)``), else read from them."""
     try:  # a plain object's shallow copy, at a third of copy.copy's cost (one per request-step)
         kept = object.__new__(type(event))
         kept.__dict__.update(event.__dict__)
     except (TypeError, AttributeError):  # an action class without a __dict__
         kept = copy.copy(event)
-    shape = getattr(event.logits, "shape", None)
-    kept.logits = ReleasedLogits(tuple(map(int, shape)) if shape is not None else (),
-                                 step if step is not None else event.step)
+    if shape is None:
+        raw = getattr(event.logits, "shape", None)
+        shape = tuple(map(int, raw)) if raw is not None else ()
+    kept.logits = ReleasedLogits(shape, step if step is not None else event.step)
     return kept
 
 

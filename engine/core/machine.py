@@ -564,7 +564,8 @@ class RequestMachine:
         """The event joins the request's events and payload (no mod sees it); its payload index."""
         state = self.state
         forward = isinstance(event, ForwardPass)
-        state.events.append(event if self._keep_logits or not forward else released_logits(event))
+        state.events.append(event if self._keep_logits or not forward
+                            else released_logits(event, shape=(1, self.actions.vocab_size)))
         if state.on_event is not None:
             try:
                 state.on_event(event)

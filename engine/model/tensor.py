@@ -425,7 +425,7 @@ class ReleasedLogits:
     __slots__ = ("shape", "step")
 
     def __init__(self, shape: tuple[int, ...], step: int) -> None:
-        self.shape, self.step = tuple(shape), step
+        self.shape, self.step = shape if type(shape) is tuple else tuple(shape), step
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
         from engine.errors import LogitsNotKeptError
