@@ -65,7 +65,7 @@ class PackedLinearForward:
         with torch.no_grad():
             # the hint picks the blocked layout; any row count runs against it (measured: within noise)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
-            self.bias = linear.bias.detach() if linear.bias is not None else None  # packed at load, as the weight
+            self.bias = linear.bias.detach() if linear.bias is not None else None  # read once, at load
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear

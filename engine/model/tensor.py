@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
+from .vocab_search import array_row_max
+
 __all__ = ["TensorShim", "HostLogits", "ReleasedLogits", "as_torch"]
 
 # the host copies HostLogits lent out, by the copy's id: from_numpy wraps a view of one without a
@@ -325,11 +327,9 @@ class _Span:
         return cls(whole, keys, None, np.array(which))
 
     def maxima(self) -> list[tuple[int, tuple[float, int]]]:
-        """``(key, (maximum, its first index))`` of each row: numpy's ``argmax`` keeps a row's first
-        maximum (a NaN row's index is unspecified: its maximum is NaN, which every caller refuses)."""
-        rows = self.array if self.rows is None else self.array.take(self.rows, axis=0)
-        index = rows.argmax(axis=1)
-        values = rows[np.arange(len(index)), index]
+        """``(key, (maximum, its first index))`` of each row (a NaN row's index is unspecified: its
+        maximum is NaN, which every caller refuses)."""
+        values, index = array_row_max(self.array if self.rows is None else self.array.take(self.rows, axis=0))
         if self.picks is not None:
             values, index = values[self.picks], index[self.picks]
         return list(zip(self.keys, zip(values.tolist(), index.tolist())))

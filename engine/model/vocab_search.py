@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CHUNK", "vocab_topk_ids", "row_max"]
+__all__ = ["CHUNK", "vocab_topk_ids", "row_max", "array_row_max"]
 
 CHUNK = 256  # ids per chunk
 
@@ -51,9 +51,8 @@ def row_max(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     refuses)."""
     m, v = scores.shape
     if scores.device.type == "cpu" and scores.dtype == torch.float32 and m and v:
-        array = scores.detach().numpy()  # the same memory: no copy
-        index = array.argmax(axis=1)
-        return torch.from_numpy(array[np.arange(m), index]), torch.from_numpy(index.astype(np.int64, copy=False))
+        values, index = array_row_max(scores.detach().numpy())  # the same memory: no copy
+        return torch.from_numpy(values), torch.from_numpy(index)
     n = v // CHUNK
     if scores.device.type != "cpu" or n < 2 or m == 0:
         return scores.max(dim=-1)
@@ -73,3 +72,11 @@ def row_max(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             tail = scores[only_tail, n * CHUNK:]
             index[only_tail] = n * CHUNK + (tail == best[only_tail, None]).to(torch.int32).argmax(dim=-1)
     return best, index
+
+
+def array_row_max(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`row_max` of a numpy array ``(M, V)``: each row's maximum and the int64 index of its
+    first occurrence, by numpy's ``argmax`` (one vectorised pass a row). numpy alone, so a thread
+    calling it never enters torch, whose ops drop the GIL on entry and must wait to take it back."""
+    index = array.argmax(axis=1)
+    return array[np.arange(array.shape[0]), index], index.astype(np.int64, copy=False)
