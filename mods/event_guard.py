@@ -9,9 +9,9 @@ The SDK calls every mod for every event of its request, and most mods act on one
         return None
 
 For a Sampled or Added event such a call does nothing but return ``None`` (a Noop), yet the engine
-pays for it as for any call: a hand-off to the mods' thread, a capture buffer, a timer (at 64
-concurrent requests on two cores, those calls and their two hand-offs took 0.5-0.7 ms of a 20 ms
-step, and a step with no call for an event makes no round for it at all). So, before
+pays for it as for any call: a round of calls, a capture buffer, a timer (at 64 concurrent
+requests on two cores, those calls and the two thread hand-offs each round then cost took 0.5-0.7
+ms of a 20 ms step, and a step with no call for an event makes no round for it at all). So, before
 a call, the engine runs the handler's leading guard itself, exactly as the handler would: the
 instructions from the start of its code that test the event parameter with ``isinstance`` against
 classes (``if``/``elif`` chains, ``and``/``or``, ``if not isinstance(...): return None``), with the

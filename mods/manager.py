@@ -22,9 +22,11 @@ Fatal calls. Many requests share the process (a generator serves a batch), so no
 hang it:
 
 * a call that does not return within ``call_timeout_s`` is abandoned and recorded as a
-  :class:`ModCallTimeout` (``ModCall.timed_out``). Calls run on a worker thread of the manager,
-  which waits with that limit; a thread stuck in a mod cannot be killed, so it is left running,
-  renamed (:func:`abandoned_mod_threads` lists them) and replaced by a fresh worker;
+  :class:`ModCallTimeout` (``ModCall.timed_out``). Calls the manager makes itself run on a worker
+  thread of its own, which waits with that limit (the engine's step loop makes its calls on its
+  own thread, watched the same way: ``engine/core/loop_calls.py``); a thread stuck in a mod cannot
+  be killed, so it is left running, renamed (:func:`abandoned_mod_threads` lists them) and
+  replaced by a fresh one;
 * a ``BaseException`` that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt``,
   ``GeneratorExit``) is recorded as the mod's exception like any other, never propagated.
 
@@ -52,8 +54,9 @@ from .event_guard import forget_decisions, turns_away, turns_away_all
 from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
-__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "CallRunner", "FollowUp",
-           "PendingCall", "dispatch_batch", "run_batch", "abandoned_mod_threads", "mod_name"]
+__all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "CallRunner",
+           "PendingCall", "dispatch_batch", "run_batch", "abandoned_mod_threads", "mod_name", "stack_of",
+           "ABANDONED_THREAD_NAME"]
 
 log = logging.getLogger("raylens.mods")
 
@@ -220,11 +223,7 @@ class _Pending:
         self.outcome = (action, exception, rejected, fatal)
 
 
-#: Called on the mods' thread when a batch of calls has returned, before the caller is woken: may
-#: return work that thread then does while the caller goes on (the engine checks the rows of logits
-#: the calls handed back while it applies their other actions); the next batch waits for it.
-FollowUp = Callable[[list["_Pending"]], "Callable[[], Any] | None"]
-#: The longest :meth:`CallRunner.close` waits for its worker to end (its follow-up work takes
+#: The longest :meth:`CallRunner.close` waits for its worker to end (its after-batch hook takes
 #: milliseconds; a call still running past that is left to its time limit's abandonment).
 CLOSE_WAIT_S = 1.0
 
@@ -240,10 +239,8 @@ class _Worker:
     current call, or at once when idle.
     """
 
-    def __init__(self, after_batch: Callable[[], Any] | None = None,
-                 follow_up: FollowUp | None = None) -> None:
+    def __init__(self, after_batch: Callable[[], Any] | None = None) -> None:
         self._after_batch = after_batch
-        self._follow_up = follow_up
         self._go = threading.Lock()
         self._go.acquire()
         self._finished = threading.Lock()
@@ -275,18 +272,7 @@ class _Worker:
                     self._after_batch()
                 except Exception:  # a housekeeping hook never ends the worker
                     log.exception("the mod worker's after-batch hook failed")
-            work = None
-            if self._follow_up is not None:
-                try:
-                    work = self._follow_up(batch)
-                except Exception:
-                    log.exception("the mod worker's follow-up hook failed")
             self._finished.release()
-            if work is not None:  # the caller goes on meanwhile; a next batch waits for it
-                try:
-                    work()
-                except Exception:
-                    log.exception("the mod worker's follow-up work failed")
 
     def submit(self, batch: list[_Pending], context: contextvars.Context) -> None:
         """Run ``batch`` in order in ``context`` (a copy of the caller's: the capture buffer and
@@ -331,16 +317,15 @@ PendingCall = _Pending  # one call to make (what a step's phases hand :func:`run
 
 
 class CallRunner:
-    """Where mod calls run with a time limit: one worker thread, replaced when a call on it must
-    be abandoned. One runner serves a whole step's calls of many requests at once
-    (:func:`dispatch_batch`), so a step pays one thread hand-off per phase, not one per call.
-    ``after_batch``: called on the worker thread after each batch of calls returned (the engine
-    gives back the OpenMP workers a mod's torch ops may have made that thread hold); ``follow_up``:
-    see :data:`FollowUp`."""
+    """Where mod calls run with a time limit when no step loop makes them (a manager's own
+    :meth:`~ModManager.dispatch`): one worker thread, replaced when a call on it must be abandoned.
+    One runner serves many requests' calls at once (:func:`dispatch_batch`): one thread hand-off
+    for the batch, not one per call. ``after_batch``: called on the worker thread after each batch
+    of calls returned (to give back the OpenMP workers a mod's torch ops may have made that thread
+    hold). (The engine's step loop makes its calls on its own thread: engine/core/loop_calls.py.)"""
 
-    def __init__(self, after_batch: Callable[[], Any] | None = None, follow_up: FollowUp | None = None) -> None:
+    def __init__(self, after_batch: Callable[[], Any] | None = None) -> None:
         self._after_batch = after_batch
-        self._follow_up = follow_up
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
 
@@ -352,7 +337,7 @@ class CallRunner:
             while calls:
                 worker = self._worker
                 if worker is None:
-                    worker = self._worker = _Worker(self._after_batch, self._follow_up)
+                    worker = self._worker = _Worker(self._after_batch)
                 # a fresh copy each time: an abandoned call may still be running in the last one
                 worker.submit(calls, contextvars.copy_context())
                 try:
@@ -362,7 +347,7 @@ class CallRunner:
                     raise
                 if stuck is None:
                     return
-                calls[stuck].stack = _stack_of(worker.thread)
+                calls[stuck].stack = stack_of(worker.thread)
                 self._abandon(worker, calls[stuck].name)
                 calls = calls[stuck + 1:]  # those after it on its event find it without an outcome: skipped
 
@@ -372,9 +357,9 @@ class CallRunner:
         self._worker = None
 
     def close(self) -> None:
-        """Stop the worker, and wait (at most :data:`CLOSE_WAIT_S`) for what it is doing: follow-up
-        work may still run after its batch returned, and a daemon thread inside native code when
-        the interpreter exits can abort the process."""
+        """Stop the worker, and wait (at most :data:`CLOSE_WAIT_S`) for what it is doing: its
+        after-batch hook may still run after its batch returned, and a daemon thread inside native
+        code when the interpreter exits can abort the process."""
         with self._lock:
             worker, self._worker = self._worker, None
         if worker is not None:
@@ -564,6 +549,8 @@ def _timeout_logs(pending: _Pending, timeout: ModCallTimeout) -> tuple[CapturedL
     return buffer.logs()
 
 
-def _stack_of(thread: threading.Thread) -> str:
+def stack_of(thread: threading.Thread) -> str:
+    """Where ``thread`` is now, as a formatted stack (empty when it has ended): the record of a
+    call abandoned on it says where the mod was stuck."""
     frame = sys._current_frames().get(thread.ident) if thread.ident is not None else None
     return "".join(traceback.format_stack(frame)) if frame is not None else ""

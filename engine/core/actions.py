@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ from engine.core.request import RequestState
 from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
 from engine.model.tensor import HostLogits, TensorShim, as_torch
-from mods.manager import ModCall, PendingCall
+from mods.manager import ModCall
 from mods.tensor import MaskedLogits
 from mods.validation import ALLOWED_ACTIONS, InvalidActionError, check_action_values, check_steer, check_token_ids
 from mods.types import (
@@ -46,7 +46,7 @@ from mods.types import (
     ToolCalls,
 )
 
-__all__ = ["PhaseActions", "StepPlan", "SteerSource", "Call", "check_handed_back"]
+__all__ = ["PhaseActions", "StepPlan", "SteerSource", "Call"]
 
 
 class SteerSource(Protocol):
@@ -77,29 +77,6 @@ class StepPlan:
     reinject: list[int] = field(default_factory=list)
     # an AdjustedLogits of a lent row whose check waits for the step's draw (PhaseActions.settle)
     unchecked: tuple[Call, tuple[HostLogits, int]] | None = None
-
-
-def check_handed_back(calls: list[PendingCall]) -> Callable[[], None] | None:
-    """The search behind the check of each row of a step's logits that a mod handed back as it was
-    lent (its maximum: finite, and the greedy choice; made by :meth:`PhaseActions.settle` just
-    before the draw, or by :meth:`PhaseActions.adjust_logits` when the step may end without one),
-    as work for the mods' thread to do once the calls have returned, while the step loop's thread
-    records and applies every request's phase (:data:`mods.manager.FollowUp`)."""
-    keys: dict[HostLogits, list[int]] = {}
-    for pending in calls:
-        action = pending.action
-        if type(action) is AdjustedLogits:
-            lent = getattr(action.logits, "lent", None) if type(action.logits) is TensorShim else None
-            if lent is not None:
-                keys.setdefault(lent[0], []).append(lent[1])
-    work = [check for lender, lent_keys in keys.items() if (check := lender.check_ahead(lent_keys)) is not None]
-    if len(work) < 2:
-        return work[0] if work else None
-
-    def every() -> None:  # engines over one loop share the mods' thread: a lender each
-        for check in work:
-            check()
-    return every
 
 
 class PhaseActions:
@@ -279,11 +256,10 @@ class PhaseActions:
 
     def settle(self, plan: StepPlan) -> bool:
         """The check :meth:`adjust_logits` left to the step's draw: the maximum of the row a mod
-        handed back (searched meanwhile on the mods' thread, :meth:`HostLogits.check_ahead`) is
-        finite, and its first index is the greedy choice. False when it is not: the action's record
-        as applied is taken back and the request ends, as a check in the phase would have ended it.
-        Deferred, the search runs while this thread records and applies every other request's
-        phase, instead of this thread waiting for it at the first request's."""
+        handed back is finite, and its first index is the greedy choice (the first such check of a
+        step searches every row handed back in one pass, :meth:`HostLogits.row_max`). False when it
+        is not: the action's record as applied is taken back and the request ends, as a check in
+        the phase would have ended it."""
         item, lent = plan.unchecked  # type: ignore[misc]
         plan.unchecked = None
         best, where = lent[0].row_max(lent[1])

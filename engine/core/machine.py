@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from engine.core.chunks import join_chunks
+from engine.core.loop_calls import LoopCalls
 from engine.core.events import (all_features, attention_rows, features_of, forward_event, newest_row, prefilled_event,
                                 released_logits)
 from engine.core.phases import Phase
@@ -52,7 +53,7 @@ from engine.model.capture import RowCapture
 from engine.model.tensor import ReleasedLogits
 from engine.model.sampling import SampleResult, SampleRow
 from mods.event_guard import forget_decisions
-from mods.manager import CallRunner, ModCall, ModManager
+from mods.manager import ModCall, ModManager
 from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
 __all__ = ["RequestMachine", "Unsettled"]
@@ -94,14 +95,14 @@ class RequestMachine:
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
         self._host_row = -1  # this request's row in it
         self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
-        self._calls: CallRunner | None = None  # the loop's runner (start): the loop drives its Prefilled
+        self._calls: LoopCalls | None = None  # the loop's runner (start): the loop drives its Prefilled
         self.prefilled_due = False  # its prompt is in; the loop dispatches Prefilled with the step's others
 
     @property
     def steer_log(self) -> list[dict[str, Any]]:
         return self.actions.steer_log
 
-    def start(self, *, max_sequence: int, overlap: bool = False, calls: CallRunner | None = None) -> None:
+    def start(self, *, max_sequence: int, overlap: bool = False, calls: LoopCalls | None = None) -> None:
         """Admitted into a batch: its context limit, whether its announcements may overlap, and
         the loop's runner of mod calls (given: the loop drives its Prefilled, :meth:`prefilled`)."""
         self.max_sequence, self.overlap, self._calls = max_sequence, overlap, calls

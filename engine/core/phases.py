@@ -1,9 +1,9 @@
 """A step's phases across its requests: each request's machine runs a phase (Prefilled, ForwardPass,
 Sampled, Added) as a generator that yields the calls its mods are to get for an event and is sent
-them back made; :func:`drive` runs the phases of every request of the step together, so that each
-round's calls go to the mods in one hand-off (:func:`mods.manager.run_batch`: one thread switch per
-round, not one per call). A fault in one request's part of a step ends that request alone
-(:func:`run_guarded`).
+them back made; :func:`drive` runs the phases of every request of the step together, a round at a
+time: each round's calls go to whoever drives it in one batch (the step loop makes them on its own
+thread, :mod:`engine.core.loop_calls`). A fault in one request's part of a step ends that request
+alone (:func:`run_guarded`).
 """
 
 from __future__ import annotations
@@ -12,24 +12,27 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence, TypeVar, TypeVarTuple, Unpack
 
 from engine.errors import GrammarError
-from mods.manager import CallRunner, ModCall, PendingCall, run_batch
+from mods.manager import ModCall, ModManager, PendingCall
 
 if TYPE_CHECKING:
     from engine.core.machine import RequestMachine
 
-__all__ = ["Phase", "drive", "run_guarded"]
+__all__ = ["Phase", "Round", "Driven", "drive", "run_guarded"]
 
 log = logging.getLogger("raylens.step_loop")
 
 T = TypeVar("T")
 Args = TypeVarTuple("Args")
 Phase = Generator[list[PendingCall], list[ModCall], T]  # yields calls to make, is sent what they did, returns T
+Round = list[tuple[ModManager, list[PendingCall]]]  # a round's calls, each request's with its manager
+Driven = Generator[Round, None, list[Any]]  # yields rounds to make (and is resumed once they are made)
 
 
-def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRunner) -> list[Any]:
-    """Run each machine's phase to its end; every round, the calls all of them wait on are made
-    together (one thread hand-off for the round, not one per call). A phase that raises fails its
-    request alone (its result is None)."""
+def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]]) -> Driven:
+    """Run each machine's phase to its end, a round at a time: each round yields the calls every
+    phase waits on, to be made together by the driver (which resumes this generator once they are
+    made; it may be another thread than the one that started it). Returns each phase's result; a
+    phase that raises fails its request alone (its result is None)."""
     results: list[Any] = [None] * len(phases)
     waiting: list[tuple[int, list[PendingCall]]] = []
 
@@ -49,10 +52,11 @@ def drive(phases: Sequence[tuple["RequestMachine", Phase[Any]]], runner: CallRun
         advance(i, None)
     while waiting:
         now, waiting[:] = list(waiting), []
+        batch = [(phases[i][0].manager, pending) for i, pending in now]
+        yield batch
         # silent Noops (most calls) come back without a record: there is nothing to apply or record for one
-        calls = run_batch([(phases[i][0].manager, pending) for i, pending in now], runner, keep_silent=False)
-        for (i, _), made in zip(now, calls):
-            advance(i, made)
+        for (i, _), (manager, pending) in zip(now, batch):
+            advance(i, manager.records(pending, keep_silent=False))
     return results
 
 

@@ -131,7 +131,7 @@ class Scheduler:
         self.max_sequence = max_sequence
         self.stats = stats if stats is not None else LoopStats()
         self.overlap = overlap
-        self.mod_calls: Any = None  # the loop's CallRunner, where admitted requests' mods run outside a phase
+        self.mod_calls: Any = None  # the loop's LoopCalls: admitted requests' Prefilled is then the loop's to drive
         self.waiting: collections.deque[Entry] = collections.deque()
         self.running: list[Entry] = []
 

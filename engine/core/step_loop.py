@@ -9,9 +9,9 @@
            → each ready request's step(): ForwardPass → its mods → what to sample
              (a row of logits a mod handed back is checked once every phase is applied: settle())
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
-             (the mods of every request see a phase's events together: one hand-off per round;
-             a request whose Sampled and Added nobody hears ends its step with on_sample_now(),
-             no phase)
+             (the mods of every request see a phase's events together, a round at a time, their
+             calls made on this thread; a request whose Sampled and Added nobody hears ends its
+             step with on_sample_now(), no phase)
            → scheduler.retire()   finished requests leave; their results are built off this thread
 
 The loop only calls those, in that order; it reads no request's state. What one request does —
@@ -20,7 +20,8 @@ its phases, its mods' actions, when it announces — is its state machine's
 runs when and over which blocks is the scheduler's (:mod:`engine.core.scheduler`). A fault in one
 request (a mod's bad action, an input that cannot fit, a failed forward of its own rows) ends that
 request alone with finish reason ``error``; a cancelled one leaves at the next step, mid-prefill
-too. Results are built off the loop thread (decoding, payloads, ingest delivery), so a slow ingest
+too. A mod call past its time limit is abandoned with the thread it runs on, and a new loop thread
+drives the step on (:mod:`engine.core.loop_calls`). Results are built off the loop thread (decoding, payloads, ingest delivery), so a slow ingest
 backend never stalls the batch.
 
 On a GPU the device idles from the sampled ids' host read until the next forward is launched, so
@@ -38,13 +39,13 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
-from engine.core.actions import check_handed_back
 from engine.core.jobs import Job, JobHandle
 from engine.core.kv_manager import KVManager
+from engine.core.loop_calls import LoopAbandoned, LoopCalls
 from engine.core.machine import Unsettled
-from engine.core.phases import drive, run_guarded
+from engine.core.phases import Round, drive, run_guarded
 from engine.core.scheduler import Entry, LoopStats, Scheduler, SchedulerOutput
 from engine.errors import EngineClosedError, QueueFullError
 from engine.model.backend import Backend, ForwardBatch, ForwardRow, RowOutput
@@ -52,11 +53,13 @@ from engine.model.capture import CapturePlan
 from engine.model.openmp import release_thread_team
 from engine.model.sampling import SampleResult, SampleRow, sample_rows
 from mods.event_guard import forget_decisions
-from mods.manager import CallRunner
+from mods.manager import PendingCall
 
 __all__ = ["StepLoop", "Entry", "LoopStats"]
 
 log = logging.getLogger("raylens.step_loop")
+
+Step = Generator[Round, None, None]  # a step: yields each round of mod calls, resumed once they are made
 
 # one loop per backend: its KV pool and its forward belong to one thread. A plain dict: the loop holds
 # its backend, so a weak key would never die; a loop leaves it when it closes
@@ -88,11 +91,10 @@ class StepLoop:
         self._calls: list[tuple[Callable[["StepLoop"], Any], Future]] = []  # work run between steps
         self._jobs: collections.deque[Job] = collections.deque()  # embeddings, scoring, captures: a unit a step
         self._sampled_at: float | None = None
-        # where every request's mod calls run, a phase of a step at a time; after each phase the mods'
-        # thread gives back any OpenMP workers their torch ops made it hold (engine/model/openmp.py),
-        # then checks the rows of logits they handed back while this thread applies the rest
-        self.mod_calls = CallRunner(after_batch=release_thread_team, follow_up=check_handed_back)
+        # every request's mod calls, a round of a step's phase at a time, made on the loop's thread
+        self.mod_calls = LoopCalls(self._take_over)
         self.scheduler.mod_calls = self.mod_calls
+        self._stepping: Step | None = None  # the step being driven (a new loop thread drives it on)
 
     @classmethod
     def for_backend(cls, backend: Backend) -> "StepLoop":
@@ -179,7 +181,20 @@ class StepLoop:
     def _ensure_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="raylens-step-loop", daemon=True)
+            self.mod_calls.own(self._thread)
             self._thread.start()
+
+    def _take_over(self, calls: Sequence[PendingCall], start: int) -> threading.Thread:
+        """A new loop thread, started: the one driving the loop was abandoned in ``calls[start - 1]``
+        (past its time limit); this one makes ``calls[start:]``, drives the step they belong to on,
+        then serves as the loop (:mod:`engine.core.loop_calls`)."""
+        step = self._stepping
+        assert step is not None  # internal invariant: calls run only while a step is driven
+        thread = threading.Thread(target=self._run, args=((step, calls, start),), name="raylens-step-loop",
+                                  daemon=True)
+        self._thread = thread
+        thread.start()
+        return thread
 
     @contextlib.contextmanager
     def admission_held(self) -> Iterator[None]:
@@ -256,7 +271,17 @@ class StepLoop:
 
     # ------------------------------------------------------------------------------- the loop
 
-    def _run(self) -> None:
+    def _run(self, resumed: tuple[Step, Sequence[PendingCall], int] | None = None) -> None:
+        """The loop thread's body. ``resumed``: the step an abandoned loop thread left in the middle
+        of a round of calls (:meth:`_take_over`), driven on first."""
+        try:
+            if resumed is not None:
+                self._guarded(*resumed)
+            self._serve()
+        except LoopAbandoned:  # a call made on this thread overran its limit: another thread is the loop now
+            return
+
+    def _serve(self) -> None:
         holds_team = False  # this thread's torch work since it last gave back its OpenMP workers
         while True:
             with self._cond:
@@ -289,15 +314,36 @@ class StepLoop:
                     future.set_exception(err)
             if job is not None:
                 self._run_job(job)
-            try:
-                if self.scheduler.has_work:
-                    self._step()
-            except Exception as err:  # a bug in the loop itself: fail what it held, keep serving
-                log.exception("step failed; ending the requests it held")
-                self._flush_held()
-                for entry in self.scheduler.running:
-                    entry.machine.fail(f"internal error in the step loop: {type(err).__name__}: {err}")
-                self._retire()
+            if self.scheduler.has_work:
+                self._guarded(self._step())
+
+    def _guarded(self, step: Step, calls: Sequence[PendingCall] | None = None, start: int = 0) -> None:
+        """Drive ``step`` to its end (from ``calls[start:]``, a round left unfinished); a bug in the
+        loop itself fails what the loop held, and the loop goes on serving."""
+        try:
+            self._drive(step, calls, start)
+        except Exception as err:
+            log.exception("step failed; ending the requests it held")
+            self._flush_held()
+            for entry in self.scheduler.running:
+                entry.machine.fail(f"internal error in the step loop: {type(err).__name__}: {err}")
+            self._retire()
+
+    def _drive(self, step: Step, calls: Sequence[PendingCall] | None, start: int) -> None:
+        """Run ``step``, making each round's mod calls on this thread as it yields them."""
+        self._stepping = step  # (left as it is when this thread is abandoned: the new one set its own)
+        try:
+            if calls is not None:
+                self.mod_calls.run(calls, start)
+                batch = step.send(None)
+            else:
+                batch = next(step)
+            while True:
+                self.mod_calls.run([pending for _, pendings in batch for pending in pendings])
+                batch = step.send(None)
+        except StopIteration:
+            pass
+        self._stepping = None
 
     def _run_job(self, job: Job) -> None:
         """One unit of the oldest job; jobs take turns (a long one goes to the back after each)."""
@@ -311,7 +357,9 @@ class StepLoop:
                 if not ended:
                     self._jobs.append(job)
 
-    def _step(self) -> None:
+    def _step(self) -> Step:
+        """One step; a generator that yields each round of mod calls its phases wait on (made by
+        :meth:`_drive`, whichever thread that is)."""
         forget_decisions()  # each step reads the mods' guards afresh (a caller may have rebound their names)
         output = self.scheduler.schedule()
         if output:
@@ -319,15 +367,14 @@ class StepLoop:
         self._flush_held()  # when no forward ran
         due = [e.machine for e in self.scheduler.running if e.machine.prefilled_due]
         if due:  # every prompt that came in this step: Prefilled with one hand-off, before any ForwardPass
-            drive([(m, m.prefilled()) for m in due], self.mod_calls)
+            yield from drive([(m, m.prefilled()) for m in due])
         now = time.time()  # the step's events' time
         ready = [e for e in self.scheduler.running if e.machine.ready]
         fast = [e for e in ready if e.machine.fast]  # nobody watches them step by step
         watched = [e for e in ready if not e.machine.fast]
         rows = [run_guarded(e.machine, e.machine.fast_step, now) for e in fast]
-        rows += drive([(e.machine, e.machine.step()) for e in watched], self.mod_calls)
-        # a row whose mod handed its logits back is checked now, every phase applied: the search
-        # ran on the mods' thread meanwhile
+        rows += yield from drive([(e.machine, e.machine.step()) for e in watched])
+        # a row whose mod handed its logits back is checked now, every phase applied
         rows = [run_guarded(e.machine, e.machine.settle, row) if type(row) is Unsettled else row
                 for e, row in zip(fast + watched, rows)]
         sampling = [(e, row) for e, row in zip(fast + watched, rows) if row is not None and not e.machine.finished]
@@ -345,7 +392,7 @@ class StepLoop:
                 driven.append((entry, sample))
             elif hold:
                 self._held.append(entry)
-        held = drive([(e.machine, e.machine.on_sample(s)) for e, s in driven], self.mod_calls)
+        held = yield from drive([(e.machine, e.machine.on_sample(s)) for e, s in driven])
         self._held += [e for (e, _), hold in zip(driven, held) if hold]
         self.stats.steps += 1
         self._retire()

@@ -31,8 +31,8 @@ import functools
 import os
 import threading
 import weakref
-from concurrent.futures import Future, wait
-from typing import Any, Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,15 +48,6 @@ _LENT: "weakref.WeakValueDictionary[int, HostLogits]" = weakref.WeakValueDiction
 #: A copy made ahead smaller than this is made on the step loop's thread: the copier's wake-up
 #: (0.1-0.25 ms on a 2-core VM) would cost more than the copy (8 rows × 49,152: ~0.1 ms).
 AHEAD_MIN_BYTES = 2 << 20
-#: Rows handed back smaller than this in all are not checked ahead (:meth:`HostLogits.check_ahead`):
-#: the hand-over would cost more than the search (measured on a 2-core VM, 49,152 ids a row, the
-#: check left to the step's draw: at 8 rows, 1.5 MB, checking ahead cost the step 0.03 ms; at 16
-#: rows it saved 0.22 ms a step; at 32, against the check in the phase with none ahead, 0.57).
-CHECK_AHEAD_MIN_BYTES = 2 << 20
-#: The longest :meth:`HostLogits.row_max` waits for a check started ahead (which takes milliseconds)
-#: before it searches the row itself: a check that was registered but never ran must not stall the
-#: loop.
-CHECK_AHEAD_WAIT_S = 1.0
 #: The longest the step loop waits for the copier to take a copy (it may be finishing the last
 #: step's, a few ms at most) before it gives up on that copier.
 COPIER_START_S = 1.0
@@ -84,8 +75,6 @@ class HostLogits:
         self._shared: set[int] = set()  # the rows lent in place
         self._rows: np.ndarray | None = None  # the batch itself, as numpy (rows lent in place are views of it)
         self._found: dict[int, tuple[float, int]] = {}  # a lent row's key -> (maximum, its first index)
-        self._checking: Future[None] | None = None  # the search :meth:`check_ahead` started
-        self._ahead_keys: frozenset[int] = frozenset()  # the keys it searches
         self._untied: list[bool] | None = None  # per row: the forward's top two differ ([]: no row may be shared)
 
     def add(self, row: int) -> None:
@@ -217,65 +206,18 @@ class HostLogits:
 
     def row_max(self, key: int) -> tuple[float, int]:
         """``(maximum, its first index)`` of lent row ``key`` as its mod left it. Every lent row not
-        yet searched is searched the first time one is asked (in one pass, read into Python numbers
-        at once), but for those :meth:`check_ahead` is searching on another thread, which this
-        waits for: a phase's actions are applied after all of its mod calls returned, so no row
-        changes after that."""
+        yet searched is searched the first time one is asked, in one pass (numpy's ``argmax`` a
+        row), read into Python numbers at once: a phase's actions are applied after all of its mod
+        calls returned, so no row changes after that."""
         with self._lock:
             found = self._found.get(key)
-            if found is not None:
-                return found
-            ahead = self._ahead_keys
-            rest = [k for k in self._lent_keys() if k not in self._found and k not in ahead]
-            if rest:
+            if found is None:
+                rest = [k for k in self._lent_keys() if k not in self._found]
                 self._found.update(self._maxima_of(rest))
-            found = self._found.get(key)
-            checking = self._checking if key in ahead else None
-        if found is None and checking is not None:  # the check ahead's
-            # an error there, or a check that never ran, is searched again below: this row's is its own
-            wait([checking], timeout=CHECK_AHEAD_WAIT_S)
-            found = self._found.get(key)
-        if found is None:
-            with self._lock:
-                found = self._found[key] = self._maxima_of([key])[key]
-        return found
-
-    def check_ahead(self, keys: Iterable[int]) -> Callable[[], None] | None:
-        """Start the check :meth:`row_max` makes of the lent rows ``keys`` (those a phase's mods
-        handed back): returns work for another thread to do at once, a search of them all, while
-        the step loop's thread records and applies every request's phase, which leaves each of
-        these checks to just before the step's draw; :meth:`row_max` then waits for what is left
-        of it (at 64 concurrent requests the rows are 12 MB, 1-2 ms to search on one core, and the
-        loop's own work meanwhile about as long). None when the rows are fewer than
-        :data:`CHECK_AHEAD_MIN_BYTES`, or a check is under way already. Called once the phase's
-        mod calls have all returned, before any of its actions is applied.
-
-        Everything the search needs from Python (the arrays, the spans) is made here, while the
-        step loop still waits for the calls: the work itself is numpy's searches, which run
-        without the GIL. (Work that began with torch ops of its own dropped the GIL at the first of
-        them to the woken step loop, and got it back only when that thread next blocked: at 64
-        concurrent requests the search started 0.25 ms after the hand-back, now within 0.01 ms.)"""
-        with self._lock:
-            if self._checking is not None and not self._checking.done():
-                return None
-            ahead = sorted({key for key in keys if key not in self._found})
-            if len(ahead) * self.batch.shape[1] * 4 < CHECK_AHEAD_MIN_BYTES or not ahead:
-                return None
-            spans = self._spans_of(ahead)
-            checking: Future[None] = Future()
-            self._checking, self._ahead_keys = checking, frozenset(ahead)
-
-        def check() -> None:
-            try:  # numpy's searches release the GIL: the step loop's thread runs meanwhile
-                found = self._search(spans)
-                with self._lock:
-                    self._found.update(found)
-            except BaseException as err:  # the readers search again, each its own row
-                checking.set_exception(err)
-                raise
-            else:
-                checking.set_result(None)
-        return check
+                found = self._found.get(key)
+                if found is None:  # not lent (a caller's mistake): its own search
+                    found = self._found[key] = self._maxima_of([key])[key]
+            return found
 
     def _lent_keys(self) -> list[int]:
         """The keys of every row lent so far."""
@@ -337,7 +279,7 @@ class _Span:
 
 def _host_copy(batch: torch.Tensor, order: list[int]) -> np.ndarray:
     """Rows ``order`` of ``batch`` as a float32 host copy. A float32 CPU batch is copied by numpy,
-    never by a parallel torch op: this runs on the mods' thread or the copier's, and a parallel op
+    never by a parallel torch op: this may run on the copier's thread, and a parallel op
     there would give that thread an OpenMP team of its own; with two teams on the machine's cores
     libgomp stops spinning between regions, so every parallel op of the step loop's forward pays a
     futex wake-up (measured: reading the logits cost a mod 19 % of the throughput at 64 concurrent

@@ -1,5 +1,5 @@
 """A mod whose handler's guard turns an event away is not called for it, and the step makes no
-round (no hand-off to the mods' thread) for an event no mod of the request is called for; a
+round of calls for an event no mod of the request is called for; a
 Sampled or Added event that no mod and no listener hears is recorded as it happens and made when
 the request ends, in its place. Nothing else changes: the same mod behind a callable object, whose
 guard the engine cannot read, is called for every event and gives the same tokens, events and
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import mods.manager as manager_module
+from engine.core.loop_calls import LoopCalls
 from mods import Added, ForwardPass, Sampled, mod
 from tests.core_fixtures import _payload as timeless  # the payload less its times and request id
 from tests.helpers import assert_payload_valid
@@ -43,36 +43,36 @@ class Opaque:
 
 
 def run(engine, mods, monkeypatch) -> tuple[Any, int, int]:
-    """The result, the mod calls made, and the hand-offs to the mods' thread."""
-    handoffs = [0]
-    original = manager_module.CallRunner.run
+    """The result, the mod calls made, and the rounds of calls the step loop made."""
+    rounds = [0]
+    original = LoopCalls.run
 
-    def counting(self, calls):
-        handoffs[0] += 1
-        return original(self, calls)
+    def counting(self, calls, start=0):
+        rounds[0] += 1
+        return original(self, calls, start)
 
-    monkeypatch.setattr(manager_module.CallRunner, "run", counting)
+    monkeypatch.setattr(LoopCalls, "run", counting)
     before = engine.metrics().mod_calls
     try:
         result = engine.generate(PROMPT, max_tokens=6, temperature=0.0, mods=mods)
     finally:
-        monkeypatch.setattr(manager_module.CallRunner, "run", original)
-    return result, engine.metrics().mod_calls - before, handoffs[0]
+        monkeypatch.setattr(LoopCalls, "run", original)
+    return result, engine.metrics().mod_calls - before, rounds[0]
 
 
 def test_a_guarded_mod_is_called_only_for_what_its_guard_lets_through_and_nothing_else_changes(engine, monkeypatch):
     free = engine.generate(PROMPT, max_tokens=6, temperature=0.0)
     guarded = ban_first_choice(free.output_ids[0])
-    read, read_calls, read_handoffs = run(engine, [guarded], monkeypatch)
-    every, every_calls, every_handoffs = run(engine, [Opaque(guarded)], monkeypatch)
+    read, read_calls, read_rounds = run(engine, [guarded], monkeypatch)
+    every, every_calls, every_rounds = run(engine, [Opaque(guarded)], monkeypatch)
 
     assert read.output_ids != free.output_ids, "the mod had no effect: the comparison would prove nothing"
     assert read.output_ids == every.output_ids
     forward_passes = sum(isinstance(e, ForwardPass) for e in read.events)
     assert forward_passes == len(read.output_ids)
-    assert read_calls == forward_passes and read_handoffs == forward_passes
+    assert read_calls == forward_passes and read_rounds == forward_passes
     assert every_calls == len(every.events) == 1 + 3 * forward_passes  # Prefilled, then 3 a step
-    assert every_handoffs == every_calls  # one request: one call a round
+    assert every_rounds == every_calls  # one request: one call a round
     assert facts(read.events) == facts(every.events)
     assert_payload_valid(read.payload)
     assert timeless(read.payload["events"]) == timeless(every.payload["events"])

@@ -129,68 +129,6 @@ def test_the_runners_after_batch_hook_runs_on_the_worker_after_every_batch_and_c
     assert seen[0] is not threading.current_thread()
 
 
-def test_the_runners_follow_up_sees_the_batch_and_its_work_runs_after_the_caller_is_released(caplog):
-    """``follow_up`` is called on the worker with the batch that returned, before the caller is
-    woken; the work it returns runs on the worker once the caller has gone on, and the next batch
-    waits for it. A hook or a work that raises is logged, and the worker goes on."""
-    from mods.manager import CallRunner, dispatch_batch
-
-    seen, done, let_go = [], [], threading.Event()
-
-    def work():
-        let_go.wait(10)  # the caller has returned by the time this is let go
-        done.append(threading.current_thread())
-
-    def follow_up(batch):
-        seen.append(([p.action.tokens for p in batch], threading.current_thread(), len(done)))
-        if len(seen) == 1:
-            return work
-        if len(seen) == 2:
-            raise RuntimeError("a hook that fails")
-        return lambda: 1 / 0  # work that fails
-
-    runner = CallRunner(follow_up=follow_up)
-    manager = ModManager([lambda e, t=None: ForceTokens([e.step])], call_timeout_s=30.0)
-    (calls,) = dispatch_batch([(manager, Sampled("r", 7, 1))], runner)
-    assert calls[0].action.tokens == [7] and not done, "the caller waited for the follow-up's work"
-    let_go.set()
-    for step in (8, 9, 10):  # each waits for the work before: then the hook that raises, the work that does
-        (calls,) = dispatch_batch([(manager, Sampled("r", step, 1))], runner)
-        assert calls[0].action.tokens == [step]
-    runner.close()
-    done[0].join(10)  # the worker: the last work's failure is logged before it ends
-    assert [tokens for tokens, _, _ in seen] == [[[7]], [[8]], [[9]], [[10]]]
-    assert seen[1][2] == 1, "the next batch started before the work of the last had run"
-    assert {thread for _, thread, _ in seen} == {done[0]} and done[0] is not threading.current_thread()
-    assert "follow-up hook failed" in caplog.text and "follow-up work failed" in caplog.text
-
-
-def test_closing_the_runner_waits_for_the_follow_up_work_under_way():
-    """Work a follow-up hands the worker may still run after its batch returned (the engine's
-    search of the rows of logits mods handed back); ``close`` waits for it (bounded), so that no
-    daemon thread is left inside native code when the interpreter exits."""
-    from mods.manager import CallRunner, dispatch_batch
-
-    started, let_go, done = threading.Event(), threading.Event(), []
-
-    def work():
-        started.set()
-        let_go.wait(10)
-        done.append(threading.current_thread())
-
-    runner = CallRunner(follow_up=lambda batch: work)
-    manager = ModManager([lambda e, t=None: ForceTokens([e.step])], call_timeout_s=30.0)
-    dispatch_batch([(manager, Sampled("r", 1, 1))], runner)
-    assert started.wait(10)
-    closing = threading.Thread(target=runner.close)
-    closing.start()
-    closing.join(0.3)
-    assert closing.is_alive() and not done, "close returned while the work was under way"
-    let_go.set()
-    closing.join(10)
-    assert not closing.is_alive() and done and not done[0].is_alive()
-
-
 class CustomBase(BaseException):
     pass
 

@@ -7,6 +7,7 @@ request carries the faulty mod; its neighbour, submitted at the same time, must 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -43,6 +44,47 @@ def test_a_mod_that_never_returns_fails_its_request_and_frees_the_batch():
     assert "stuck" in bad.error and "did not return within 0.5" in bad.error
     assert good.finish_reason is FinishReason.STOP and good.output_text == "hello world"
     assert_payload_valid(bad.payload)
+
+
+@pytest.mark.parametrize("stuck_in", ["native code", "a Python loop"])
+def test_the_loop_thread_stuck_in_a_mod_is_replaced_and_the_engine_goes_on_serving(stuck_in):
+    """Mods run on the step loop's thread: one stuck past its limit is abandoned with that thread, a
+    new loop thread finishes the step and serves every later request; the stuck thread ends, having
+    changed nothing, once its mod returns."""
+    from mods.manager import abandoned_mod_threads
+
+    release = threading.Event()
+
+    def stuck(event, tokenizer=None):
+        if isinstance(event, ForwardPass) and event.step == 2:
+            if stuck_in == "native code":
+                release.wait(30)
+            else:
+                deadline = time.monotonic() + 30
+                while not release.is_set() and time.monotonic() < deadline:
+                    pass
+        return None
+
+    eng = scripted_engine(mod_call_timeout_s=0.5)
+    try:
+        with eng.loop.admission_held():
+            bad = eng.submit(input_ids=TOK.encode("Q:"), mods=[stuck])
+            good = eng.submit(input_ids=TOK.encode("Q:"), mods=[lambda e, t=None: None])
+        first_loop = eng.loop._thread
+        bad_result, good_result = bad.result(timeout=60), good.result(timeout=60)
+        assert bad_result.finish_reason is FinishReason.ERROR and "did not return within 0.5" in bad_result.error
+        assert good_result.finish_reason is FinishReason.STOP and good_result.output_text == "hello world"
+        assert eng.loop._thread is not first_loop and abandoned_mod_threads() == [first_loop]
+        later = eng.generate(input_ids=TOK.encode("Q:"), mods=[lambda e, t=None: None])
+        assert later.finish_reason is FinishReason.STOP and later.output_text == "hello world"
+        release.set()
+        first_loop.join(10)
+        assert not first_loop.is_alive() and not abandoned_mod_threads()
+        again = eng.generate(input_ids=TOK.encode("Q:"))
+        assert again.output_text == "hello world"
+    finally:
+        release.set()
+        eng.close()
 
 
 @pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()], ids=lambda e: type(e).__name__)

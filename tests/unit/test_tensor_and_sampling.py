@@ -260,63 +260,23 @@ def test_rows_lent_in_place_are_checked_over_the_span_they_lie_in_when_they_are_
     assert searched == [2]
 
 
-def test_a_check_ahead_searches_the_rows_handed_back_and_the_reader_waits_for_it_or_searches_again(monkeypatch):
-    """:meth:`HostLogits.check_ahead` takes every row handed back (none when they are few: the
-    threshold); a reader waits for that work, and a row lent but not handed back it searches at
-    once itself; when that work failed, or never ran, each reader searches its own row again."""
-    import threading
-
-    from engine.model import tensor
+def test_every_row_lent_is_searched_in_one_pass_at_the_first_check(monkeypatch):
+    """The first :meth:`HostLogits.row_max` of a step searches every row lent so far, in one pass,
+    and later checks read what it found: each row's maximum and its first index, as its mod left
+    it (a row lent but not handed back included: its mod may still hand back a view of it)."""
     from engine.model.backend import top_logprobs
     from engine.model.tensor import HostLogits
 
-    def lent_host():
-        batch = torch.randn(6, 700, generator=torch.Generator().manual_seed(3))
-        host = HostLogits(batch, top=top_logprobs(batch))
-        for row in range(6):
-            host.share(row)
-            host.lend(row)[0, 10 * row] = 1e6 + row
-        return host
-    keys = [-1 - row for row in range(6)]
-    expected = {key: (1e6 - 1 - key, -10 * (1 + key)) for key in keys}
-    assert lent_host().check_ahead(keys) is None  # 6 rows of 700: far under the threshold
-
-    monkeypatch.setattr(tensor, "CHECK_AHEAD_MIN_BYTES", 0)
+    batch = torch.randn(6, 700, generator=torch.Generator().manual_seed(3))
+    host = HostLogits(batch, top=top_logprobs(batch))
+    for row in range(6):
+        host.share(row)
+        host.lend(row)[0, 10 * row] = 1e6 + row
     searched = _rows_searched(monkeypatch)
-    host = lent_host()
-    work = host.check_ahead(keys[1:])  # row 0 was lent but not handed back
-    assert work is not None and host.check_ahead(keys) is None  # one under way at a time
-    got = {}
-    reader = threading.Thread(target=lambda: got.update({key: host.row_max(key) for key in keys}))
-    reader.start()
-    reader.join(0.5)
-    assert reader.is_alive() and searched == [1], "the reader searched the row not handed back and waits"
-    work()
-    reader.join(10)
-    assert got == expected and searched == [1, 5]
-
-    real = tensor._Span.maxima
-
-    def failing(span):
-        if threading.current_thread() is worker:
-            raise MemoryError("the check ahead failed")
-        return real(span)
-    monkeypatch.setattr(tensor._Span, "maxima", failing)
-    host = lent_host()
-    failed = host.check_ahead(keys)
-
-    def run_failed():
-        with pytest.raises(MemoryError):  # raised on (the mods' thread logs it)
-            failed()
-    worker = threading.Thread(target=run_failed)
-    worker.start()
-    worker.join(10)
-    assert {key: host.row_max(key) for key in keys} == expected
-
-    monkeypatch.setattr(tensor, "CHECK_AHEAD_WAIT_S", 0.05)
-    host = lent_host()
-    assert host.check_ahead(keys) is not None  # registered, and its work never run
-    assert {key: host.row_max(key) for key in keys} == expected  # searched here after the bounded wait
+    keys = [-1 - row for row in range(6)]
+    got = {key: host.row_max(key) for key in reversed(keys)}
+    assert got == {key: (1e6 - 1 - key, -10 * (1 + key)) for key in keys}
+    assert searched == [6], "one pass over every lent row, at the first check"
 
 
 @pytest.mark.parametrize("why", ["a tie at the top", "no sorted top", "bfloat16 logits"])

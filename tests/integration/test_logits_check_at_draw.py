@@ -1,9 +1,8 @@
 """The rows of a step's logits that mods hand back (``AdjustedLogits`` of the row they were lent) are
-checked (finite, and their greedy choice found) on the mods' thread, started as soon as the phase's
-calls have returned, while the step loop's thread records and applies every request's phase; each
-request's check is settled just before the step's draw. Which thread searched a row, and whether
-the check was settled in the phase or before the draw, changes nothing a mod or a result can see:
-outputs, events, payloads and the fault a non-finite row is."""
+checked (finite, and their greedy choice found) just before the step's draw, every row of the step
+in one search on the step loop's thread. Whether the check was settled in the phase or before the
+draw changes nothing a mod or a result can see: outputs, events, payloads and the fault a
+non-finite row is."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from typing import Any
 import pytest
 
 from engine.core.actions import PhaseActions
-from engine.model import tensor
 from engine.model.tensor import HostLogits
 from mods import ForwardPass
 from mods.types import Backtrack, ForceTokens, Prefilled
@@ -60,10 +58,8 @@ def _same(a: Any, b: Any) -> None:
 
 
 @pytest.fixture
-def searched_ahead(monkeypatch) -> list[tuple[str, int]]:
-    """Every check ahead (the tests' vocabulary is small: the threshold is lifted), as (the thread
-    that searched, rows searched)."""
-    monkeypatch.setattr(tensor, "CHECK_AHEAD_MIN_BYTES", 0)
+def searches(monkeypatch) -> list[tuple[str, int]]:
+    """Every search of rows handed back, as (the thread that searched, rows searched)."""
     seen: list[tuple[str, int]] = []
     real = HostLogits._search
 
@@ -76,23 +72,17 @@ def searched_ahead(monkeypatch) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("keep_logits", [False, True], ids=["lent in place", "copied"])
 @pytest.mark.parametrize("poison", [None, 1], ids=["every row usable", "one request's row all -inf"])
-def test_rows_handed_back_are_checked_ahead_and_settled_at_the_draw_with_the_results_of_a_check_in_the_phase(
-        keep_logits, poison, searched_ahead, monkeypatch):
+def test_rows_handed_back_are_checked_at_the_draw_in_one_search_with_the_results_of_a_check_in_the_phase(
+        keep_logits, poison, searches, monkeypatch):
     settled: list[int] = []
     real_settle = PhaseActions.settle
     monkeypatch.setattr(PhaseActions, "settle", lambda self, plan: settled.append(1) or real_settle(self, plan))
-    ahead = _run(_ban_best(poison), keep_logits=keep_logits)
-    on_the_mods_thread = [n for name, n in searched_ahead if name == "raylens-mod-call"]
-    # the mods' thread searched each step's four rows handed back; once the poisoned request has
-    # failed, three; the loop's thread searched none
-    assert set(on_the_mods_thread) == ({4} if poison is None else {4, 3}), searched_ahead
-    assert all(name == "raylens-mod-call" for name, _ in searched_ahead), searched_ahead
-    assert len(settled) == sum(on_the_mods_thread)  # each row handed back was checked at the draw
-
-    monkeypatch.setattr(HostLogits, "check_ahead", lambda self, keys: None)
-    searched_ahead.clear()
-    reference = _run(_ban_best(poison), keep_logits=keep_logits)
-    assert searched_ahead and all(name != "raylens-mod-call" for name, _ in searched_ahead)
+    at_draw = _run(_ban_best(poison), keep_logits=keep_logits)
+    # the loop's thread searched each step's four rows handed back at once; once the poisoned
+    # request has failed, three
+    assert {n for _, n in searches} == ({4} if poison is None else {4, 3}), searches
+    assert all(name == "raylens-step-loop" for name, _ in searches), searches
+    assert len(settled) == sum(n for _, n in searches)  # each row handed back was checked at the draw
 
     real_adjust = PhaseActions.adjust_logits
     monkeypatch.setattr(PhaseActions, "adjust_logits",  # every check made in the phase, at once
@@ -101,14 +91,13 @@ def test_rows_handed_back_are_checked_ahead_and_settled_at_the_draw_with_the_res
     in_phase = _run(_ban_best(poison), keep_logits=keep_logits)
     assert not settled
 
-    assert ahead[0].output_text != "hello world"  # the bans took effect
+    assert at_draw[0].output_text != "hello world"  # the bans took effect
     if poison is not None:
-        assert sorted(r.finish_reason.value for r in ahead).count("error") == 1
-        failed = next(r for r in ahead if r.finish_reason.value == "error")
+        assert sorted(r.finish_reason.value for r in at_draw).count("error") == 1
+        failed = next(r for r in at_draw if r.finish_reason.value == "error")
         assert "must be finite" in failed.error
-    for other in (reference, in_phase):
-        for a, b in zip(sorted(ahead, key=lambda r: r.error or ""), sorted(other, key=lambda r: r.error or "")):
-            _same(a, b)
+    for a, b in zip(sorted(at_draw, key=lambda r: r.error or ""), sorted(in_phase, key=lambda r: r.error or "")):
+        _same(a, b)
 
 
 def _backtrack_at_step_3(event, tokenizer=None):
