@@ -18,6 +18,7 @@ thread finds it no longer owns the loop and ends (:class:`LoopAbandoned`), touch
 from __future__ import annotations
 
 import contextvars
+import math
 import threading
 import time
 from typing import Callable, Sequence
@@ -30,7 +31,7 @@ __all__ = ["LoopCalls", "LoopAbandoned", "TakeOver"]
 #: ``calls[start:]`` and drives the step they belong to on.
 TakeOver = Callable[[Sequence[PendingCall], int], threading.Thread]
 
-_IDLE_CHECK_S = 60.0  # how long the watchdog sleeps when no call has a shorter limit
+_IDLE_CHECK_S = 60.0  # how long the watchdog sleeps with no call running
 
 
 class LoopAbandoned(BaseException):
@@ -45,13 +46,14 @@ class LoopCalls:
 
     def __init__(self, take_over: TakeOver) -> None:
         self._take_over = take_over
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # who owns the loop, which call runs, when the watchdog looks next
         self._wake = threading.Condition(threading.Lock())
         self._owner: threading.Thread | None = None  # the thread that drives the loop now
         # the limited call running now: (its round, its index, perf_counter at its start, its thread)
         self._running: tuple[Sequence[PendingCall], int, float, threading.Thread] | None = None
+        self._next_look = math.inf  # perf_counter when the watchdog looks next (none yet: inf)
         self._watchdog: threading.Thread | None = None
-        self._napping = _IDLE_CHECK_S  # how long the watchdog sleeps between looks
+        self._poked = False
         self._closed = False
 
     def own(self, thread: threading.Thread) -> None:
@@ -71,9 +73,12 @@ class LoopCalls:
             pending = calls[k]
             limit = pending.timeout
             if limit:
-                self._running = (calls, k, time.perf_counter(), me)  # one assignment: read whole
-                if limit < self._napping or self._watchdog is None:
-                    self._watch(limit)
+                with lock:
+                    started = time.perf_counter()
+                    self._running = (calls, k, started, me)
+                    early = started + limit < self._next_look  # due before the watchdog looks
+                if early:
+                    self._poke()
             context.run(pending.run)
             if limit:
                 with lock:
@@ -92,43 +97,46 @@ class LoopCalls:
 
     # ----------------------------------------------------------------------------- the watchdog
 
-    def _watch(self, limit: float) -> None:
-        """Make the watchdog look within ``limit`` (started on the first limited call)."""
+    def _poke(self) -> None:
+        """Make the watchdog look now (started on the first limited call)."""
         with self._wake:
-            self._napping = min(self._napping, limit)
+            if self._closed:
+                return
+            self._poked = True
             if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watch_loop, name="raylens-mod-watchdog", daemon=True)
+                self._watchdog = threading.Thread(target=self._watch, name="raylens-mod-watchdog", daemon=True)
                 self._watchdog.start()
             else:
                 self._wake.notify()
 
-    def _watch_loop(self) -> None:
-        nap = self._napping
+    def _watch(self) -> None:
         while True:
+            with self._lock:
+                nap = self._look()
+                self._next_look = time.perf_counter() + nap
             with self._wake:
+                if not self._poked and not self._closed:
+                    self._wake.wait(nap)
+                self._poked = False
                 if self._closed:
                     return
-                self._wake.wait(nap)
-                if self._closed:
-                    return
-            nap = self._look()
 
     def _look(self) -> float:
         """Abandon the running call if it is past its limit; how long to sleep before looking again
-        (until the running call's deadline; a later call's is at least a limit away)."""
-        with self._lock:
-            running = self._running
-            if running is None:
-                return self._napping
-            calls, k, started, thread = running
-            left = started + calls[k].timeout - time.perf_counter()  # type: ignore[operator]
-            if left > 0 or self._owner is not thread:
-                return max(left, 0.001)
-            self._running = None
-            calls[k].stack = stack_of(thread)
-            try:
-                thread.name = f"{ABANDONED_THREAD_NAME} ({calls[k].name})"
-            except Exception:  # a name is cosmetic
-                pass
-            self._owner = self._take_over(calls, k + 1)  # the new loop thread, started
-        return self._napping
+        (until the running call's deadline; with none running, a call that starts later pokes the
+        watchdog when its deadline comes before the next look). Called holding ``_lock``."""
+        running = self._running
+        if running is None:
+            return _IDLE_CHECK_S
+        calls, k, started, thread = running
+        left = started + calls[k].timeout - time.perf_counter()  # type: ignore[operator]
+        if left > 0 or self._owner is not thread:
+            return max(left, 0.001)
+        self._running = None
+        calls[k].stack = stack_of(thread)
+        try:
+            thread.name = f"{ABANDONED_THREAD_NAME} ({calls[k].name})"
+        except Exception:  # a name is cosmetic
+            pass
+        self._owner = self._take_over(calls, k + 1)  # the new loop thread, started
+        return _IDLE_CHECK_S

@@ -137,16 +137,16 @@ def test_calls_without_a_limit_are_not_watched(release):
     loop.calls.close()
 
 
-def test_a_shorter_limit_than_the_watchdog_sleeps_for_wakes_it(release):
-    """The watchdog sleeps as long as the shortest limit it has seen; a call with a shorter one
-    wakes it, so that call is abandoned at its own limit, not at the longer one."""
+def test_a_call_due_before_the_watchdogs_next_look_wakes_it(release):
+    """The watchdog sleeps until the deadline of the call it saw running (here 600 s away); a later
+    call whose own deadline comes before that wakes it, so it is abandoned at its own limit."""
     def stuck(event, tokenizer=None):
         release.wait()
 
     _, quick = _round([forcing(1)], limit=600.0)
     _, short = _round([stuck], limit=LIMIT_S)
     loop = Loop()
-    loop.start(quick).join(10)  # the watchdog now sleeps up to 600 s between looks
+    loop.start(quick).join(10)  # the watchdog looked while it ran: it sleeps until its deadline
     loop.done.clear()
     started = time.monotonic()
     loop.start(short)
