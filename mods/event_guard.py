@@ -219,10 +219,14 @@ def _read(mod: types.FunctionType) -> tuple[Any, ...]:
 
 
 def _forget(key: int) -> Callable[[Any], None]:
+    # the tables are bound here: a mod that lives until the interpreter exits is forgotten after
+    # this module's names are gone
+    read, decided, kinds = _READ, _DECIDED, _SDK_EVENTS
+
     def forget(_: Any) -> None:
-        _READ.pop(key, None)
-        for kind in _SDK_EVENTS:  # its decisions hold what was read of it (an SDK wrapper's handler)
-            _DECIDED.pop((key, kind), None)
+        read.pop(key, None)
+        for kind in kinds:  # its decisions hold what was read of it (an SDK wrapper's handler)
+            decided.pop((key, kind), None)
     return forget
 
 

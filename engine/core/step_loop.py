@@ -224,8 +224,10 @@ class StepLoop:
             job.close()
             job.handle.future.set_exception(EngineClosedError(f"the engine was closed before the {job.handle.kind} "
                                                               "finished"))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        # the loop's thread, or the one that took over from it if a mod call of its got stuck
+        deadline = time.monotonic() + timeout
+        while (thread := self._thread) is not None and thread.is_alive() and time.monotonic() < deadline:
+            thread.join(min(0.1, max(0.0, deadline - time.monotonic())))
         self._finisher.shutdown(wait=True)
         self.mod_calls.close()
         # an entry left behind would keep the backend, its KV pool and this loop alive for good

@@ -87,6 +87,30 @@ def test_the_loop_thread_stuck_in_a_mod_is_replaced_and_the_engine_goes_on_servi
         eng.close()
 
 
+def test_closing_the_engine_while_a_mod_is_stuck_waits_for_the_loop_thread_that_took_over():
+    """``close`` waits for the loop's thread; when that thread is stuck in a mod, the thread that
+    takes over at the limit ends the loop, and ``close`` returns then (not at its own bound)."""
+    release, entered = threading.Event(), threading.Event()
+
+    def stuck(event, tokenizer=None):
+        if isinstance(event, ForwardPass) and event.step == 1:
+            entered.set()
+            release.wait(60)
+        return None
+
+    eng = scripted_engine(mod_call_timeout_s=0.5)
+    try:
+        handle = eng.submit(input_ids=TOK.encode("Q:"), mods=[stuck])
+        assert entered.wait(30)
+        started = time.monotonic()
+        eng.close()
+        assert time.monotonic() - started < 30, "close waited for the stuck thread, not the loop"
+        result = handle.result(timeout=10)
+        assert result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)
+    finally:
+        release.set()
+
+
 @pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt()], ids=lambda e: type(e).__name__)
 def test_a_mod_raising_a_base_exception_fails_its_request_only(exc):
     def exits(event, tokenizer=None):
