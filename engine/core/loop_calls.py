@@ -18,6 +18,7 @@ thread finds it no longer owns the loop and ends (:class:`LoopAbandoned`), touch
 from __future__ import annotations
 
 import contextvars
+import logging
 import math
 import threading
 import time
@@ -27,11 +28,14 @@ from mods.manager import ABANDONED_THREAD_NAME, PendingCall, stack_of
 
 __all__ = ["LoopCalls", "LoopAbandoned", "TakeOver"]
 
-#: ``take_over(calls, start)``: start a new loop thread (already made the owner) that makes
-#: ``calls[start:]`` and drives the step they belong to on.
+log = logging.getLogger("raylens.step_loop")
+
+#: ``take_over(calls, start)``: start and return a new loop thread that makes ``calls[start:]`` and
+#: drives the step they belong to on (it owns the loop from then on).
 TakeOver = Callable[[Sequence[PendingCall], int], threading.Thread]
 
 _IDLE_CHECK_S = 60.0  # how long the watchdog sleeps with no call running
+_RETRY_S = 1.0  # how soon it tries again when no new loop thread could be started
 
 
 class LoopAbandoned(BaseException):
@@ -132,11 +136,15 @@ class LoopCalls:
         left = started + calls[k].timeout - time.perf_counter()  # type: ignore[operator]
         if left > 0 or self._owner is not thread:
             return max(left, 0.001)
-        self._running = None
         calls[k].stack = stack_of(thread)
+        try:
+            self._owner = self._take_over(calls, k + 1)  # the new loop thread, started
+        except Exception:  # no thread to be had (the process is at its limit): look again soon
+            log.exception("could not start a loop thread to take over from a stuck mod call; retrying")
+            return _RETRY_S
+        self._running = None
         try:
             thread.name = f"{ABANDONED_THREAD_NAME} ({calls[k].name})"
         except Exception:  # a name is cosmetic
             pass
-        self._owner = self._take_over(calls, k + 1)  # the new loop thread, started
         return _IDLE_CHECK_S

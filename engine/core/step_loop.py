@@ -21,8 +21,8 @@ runs when and over which blocks is the scheduler's (:mod:`engine.core.scheduler`
 request (a mod's bad action, an input that cannot fit, a failed forward of its own rows) ends that
 request alone with finish reason ``error``; a cancelled one leaves at the next step, mid-prefill
 too. A mod call past its time limit is abandoned with the thread it runs on, and a new loop thread
-drives the step on (:mod:`engine.core.loop_calls`). Results are built off the loop thread (decoding, payloads, ingest delivery), so a slow ingest
-backend never stalls the batch.
+drives the step on (:mod:`engine.core.loop_calls`). Results are built off the loop thread
+(decoding, payloads, ingest delivery), so a slow ingest backend never stalls the batch.
 
 On a GPU the device idles from the sampled ids' host read until the next forward is launched, so
 that gap holds only what the next forward depends on: a machine may hold its step's announcements
@@ -368,7 +368,7 @@ class StepLoop:
             self._forward(output)
         self._flush_held()  # when no forward ran
         due = [e.machine for e in self.scheduler.running if e.machine.prefilled_due]
-        if due:  # every prompt that came in this step: Prefilled with one hand-off, before any ForwardPass
+        if due:  # every prompt that came in this step: Prefilled in one round, before any ForwardPass
             yield from drive([(m, m.prefilled()) for m in due])
         now = time.time()  # the step's events' time
         ready = [e for e in self.scheduler.running if e.machine.ready]

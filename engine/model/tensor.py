@@ -306,7 +306,7 @@ class _Copier:
     """The thread :meth:`HostLogits.copy_ahead` copies on. The caller holds the GIL while it
     builds the step's events, and a thread that only waits for the GIL gets it when the holder
     blocks or after the switch interval (5 ms): a copy merely queued would start only when the
-    step loop hands the events to the mods, and the first read would wait for all of it. So
+    step loop's first mod read waits for it, and would wait for all of it. So
     :meth:`start` waits until the copy is under way (a thread wake-up, tens of microseconds) —
     numpy then runs it without the GIL, alongside the caller."""
 

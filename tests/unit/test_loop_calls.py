@@ -153,3 +153,27 @@ def test_a_call_due_before_the_watchdogs_next_look_wakes_it(release):
     assert loop.done.wait(10)
     assert time.monotonic() - started < 10 and len(loop.taken) == 1
     loop.calls.close()
+
+
+def test_a_take_over_that_cannot_start_a_thread_is_tried_again(release, caplog):
+    """Starting the new loop thread may fail (a process at its thread limit): the failure is
+    logged, the stuck call stays watched, and the watchdog tries again."""
+    def stuck(event, tokenizer=None):
+        release.wait()
+
+    class Failing(Loop):
+        def take_over(self, calls, start):
+            if not self.taken:
+                self.taken.append(("failed", start))
+                raise RuntimeError("can't start new thread")
+            return super().take_over(calls, start)
+
+    _, calls = _round([stuck], [forcing(2)])
+    loop = Failing()
+    first = loop.start(calls)
+    assert loop.done.wait(10), "the round was not finished after the second try"
+    assert [start for _, start in loop.taken] == [1, 1]
+    assert "could not start a loop thread" in caplog.text
+    assert first.name.startswith(ABANDONED_THREAD_NAME)
+    assert calls[1].action.tokens == [2]
+    loop.calls.close()
