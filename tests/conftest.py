@@ -37,6 +37,22 @@ def _ray_token_for_tests() -> None:
 _ray_token_for_tests()
 
 
+@pytest.fixture
+def release_stuck_mods():
+    """An event the tests' stuck mods wait on; set at teardown, when every thread abandoned in a
+    mod must end (its mod returned) within a bound."""
+    import threading
+
+    from mods.manager import abandoned_mod_threads
+
+    event = threading.Event()
+    yield event
+    event.set()
+    for thread in abandoned_mod_threads():
+        thread.join(timeout=10)
+    assert not abandoned_mod_threads(), "a thread abandoned in a mod did not end after its mod returned"
+
+
 @pytest.fixture(scope="session")
 def engine():
     """The embedded SmolLM2-135M-Instruct on CPU, loaded once; treat it as read-only."""

@@ -56,13 +56,8 @@ def _round(*mods_per_request, limit=LIMIT_S):
 
 
 @pytest.fixture
-def release():
-    event = threading.Event()
-    yield event
-    event.set()
-    for thread in abandoned_mod_threads():
-        thread.join(timeout=10)
-    assert not abandoned_mod_threads(), "an abandoned loop thread did not end after its call returned"
+def release(release_stuck_mods):
+    return release_stuck_mods
 
 
 def forcing(token):

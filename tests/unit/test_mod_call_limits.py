@@ -17,14 +17,8 @@ LIMIT_S = 0.5  # short, so the test is quick; the stuck mod waits on an event, n
 
 
 @pytest.fixture
-def release():
-    """An event the stuck mods wait on; set at teardown so every abandoned thread can end."""
-    event = threading.Event()
-    yield event
-    event.set()
-    for thread in abandoned_mod_threads():
-        thread.join(timeout=10)
-    assert not abandoned_mod_threads(), "an abandoned mod thread did not end after its mod returned"
+def release(release_stuck_mods):
+    return release_stuck_mods
 
 
 def test_a_mod_that_never_returns_is_abandoned_recorded_and_fatal(release):
