@@ -3,8 +3,8 @@
 A step's mod calls used to run on a thread of their own, so that a call past its time limit
 could be abandoned while the loop went on. Each round of calls then cost two thread wake-ups (the
 loop hands the round over and sleeps; the mods' thread hands it back), and on a small machine a
-wake-up takes 0.1-0.5 ms: more than the calls themselves at 8 concurrent requests with a logits
-mod, and ~6 % of the step at 64. So the calls run on the loop's thread, in turn, with no hand-off.
+wake-up takes 0.1-0.5 ms: about as long as the calls themselves at 8 concurrent requests with a
+logits mod, and ~6 % of the step at 64. So the calls run on the loop's thread, in turn, with no hand-off.
 
 The time limit still holds, for a call stuck in Python or in native code alike. The step is a
 generator (:func:`~engine.core.phases.drive`) suspended while its round's calls run, so it does not

@@ -76,7 +76,6 @@ def row_max(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def array_row_max(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`row_max` of a numpy array ``(M, V)``: each row's maximum and the int64 index of its
-    first occurrence, by numpy's ``argmax`` (one vectorised pass a row). numpy alone, so a thread
-    calling it never enters torch, whose ops drop the GIL on entry and must wait to take it back."""
+    first occurrence, by numpy's ``argmax`` (one vectorised pass a row; it keeps the first maximum)."""
     index = array.argmax(axis=1)
     return array[np.arange(array.shape[0]), index], index.astype(np.int64, copy=False)

@@ -154,8 +154,8 @@ def test_an_idle_step_loop_holds_no_openmp_workers():
     assert box["idle_again"] < box["busy"], box
 
 
-# The mods' thread: the engine's host copy of a step's logits takes no OpenMP team there, and a team
-# a mod's own torch ops made is given back after each batch of calls.
+# A manager's own mod worker: the engine's host copy of a step's logits takes no OpenMP team there, and a team
+# a mod's own torch ops made is given back after each batch by the runner's after-batch hook.
 _MODS_PROBE = """
 import json, os, threading, time
 import torch
