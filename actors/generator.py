@@ -74,10 +74,14 @@ def local_engine_config(config: RaylensConfig) -> RaylensConfig:
     """The Engine inside the actor writes nothing itself: the actors around it do. Its results
     leave the actor without their events, so a finished step's logits are not kept
     (``generation.keep_logits``): kept, every step's batch of logits would stay in memory until
-    the batch's requests finished."""
+    the batch's requests finished. Its payloads go to the IngestActor, which sends them when the
+    cluster's config has an ingest URL: that, not the inner engine's own (none), decides whether
+    they list each step's top tokens (``generation.payload_top_tokens`` null)."""
+    top_tokens = config.generation.payload_top_tokens
     return dataclasses.replace(
         config,
-        generation=dataclasses.replace(config.generation, keep_logits=False),
+        generation=dataclasses.replace(config.generation, keep_logits=False,
+                                       payload_top_tokens=bool(config.ingest.url) if top_tokens is None else top_tokens),
         activations=dataclasses.replace(config.activations, enabled=False),
         sae=dataclasses.replace(config.sae, enabled=False),
         ingest=dataclasses.replace(config.ingest, url=None),

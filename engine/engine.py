@@ -125,7 +125,7 @@ class Engine:
             max_sequence=self.backend.max_sequence, eos_token_ids=info.eos_token_ids,
             defaults=config.generation, load_mods=lambda specs, dirs: load_mods(specs, allowed_dirs=dirs),
             prefix_caching=self.backend.config.prefix_caching, structured=config.structured,
-            kv_capacity_tokens=_kv_capacity_tokens(self.backend))
+            kv_capacity_tokens=_kv_capacity_tokens(self.backend), sends_payloads=self._ingest is not None)
         self.output = OutputProcessor(tokenizer=self.backend.tokenizer(), info=info,
                                       backend_type=config.backend.backend_type, layer=config.backend.hidden_state_layer,
                                       ingest=self._ingest, store=self.store, sae_metadata=self._sae_metadata)

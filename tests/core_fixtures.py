@@ -144,14 +144,21 @@ def record(engine: Any, small: Any, sae_engine: Any) -> dict[str, Any]:
     return out
 
 
+def _digested(cfg: Any) -> Any:
+    """``cfg`` for engines whose results are digested: the digests read every ForwardPass's logits
+    after the run (the engines keep them) and every payload's top tokens (recorded for every
+    request, not only for payloads sent to an ingest URL)."""
+    cfg = keeping_logits(cfg)
+    return dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, payload_top_tokens=True))
+
+
 def build_engines(tmp: Path, **backend: Any) -> tuple[Any, Any, Any]:
     """The three engines :func:`record` runs on, with ``backend`` overrides (a forward path)."""
     from engine import Engine
 
-    # the digests read every ForwardPass's logits after the run: the engines keep them
-    engine = Engine(keeping_logits(build_config(**backend)))
-    small = Engine(keeping_logits(build_config(kv_block_size=8, max_step_tokens=24, **backend)))
-    cfg = keeping_logits(build_config(**backend))
+    engine = Engine(_digested(build_config(**backend)))
+    small = Engine(_digested(build_config(kv_block_size=8, max_step_tokens=24, **backend)))
+    cfg = _digested(build_config(**backend))
     cfg = dataclasses.replace(
         cfg, activations=dataclasses.replace(cfg.activations, enabled=True, db_path=str(tmp / "fixtures.duckdb")),
         sae=dataclasses.replace(cfg.sae, enabled=True, mode="inline", block_steps=4))

@@ -129,6 +129,13 @@ class GenerationConfig:
     ``generate`` keeps no per-step logits unless asked): kept, every step's ``(batch, vocabulary)``
     logits stay in memory (on a GPU, device memory) until the batch's results are dropped, and
     every step's host copy for mods lands in fresh memory.
+    ``payload_top_tokens``: whether a request's ingest payload lists, for each ForwardPass, the
+    step's 20 most likely next tokens with their log-probs. They cost a log-softmax and a top-k
+    over the whole vocabulary on every step (on a CPU, a sixth of a small model's step at 8 to
+    32 requests), so by default (null) they are computed only when the engine sends payloads
+    (``ingest.url`` set); true computes them for every request (a caller that reads
+    ``GenerationResult.payload`` itself and wants them), false for none. The ``top_logprobs``
+    a request asks for are computed either way.
     """
 
     max_tokens: int = 2048
@@ -142,10 +149,13 @@ class GenerationConfig:
     mod_call_timeout_s: float | None = 30.0
     mod_dirs: tuple[str, ...] = ()
     keep_logits: bool = False
+    payload_top_tokens: bool | None = None
 
     def __post_init__(self) -> None:
         require_fields(self, "", [
             ("keep_logits", isinstance(self.keep_logits, bool), "true or false"),
+            ("payload_top_tokens", self.payload_top_tokens is None or isinstance(self.payload_top_tokens, bool),
+             "true, false or null (null: only when payloads are sent, ingest.url set)"),
             ("mod_call_timeout_s", self.mod_call_timeout_s is None or (
                 is_real(self.mod_call_timeout_s) and math.isfinite(self.mod_call_timeout_s)
                 and self.mod_call_timeout_s >= 0), "a finite number >= 0 (0 or null: no limit)"),

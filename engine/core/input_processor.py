@@ -29,7 +29,7 @@ class InputProcessor:
                  eos_token_ids: Sequence[int], defaults: GenerationConfig,
                  load_mods: Callable[[Sequence[Any], Sequence[str]], list[Callable[..., Any]]],
                  prefix_caching: bool = True, structured: StructuredConfig | None = None,
-                 kv_capacity_tokens: int | None = None) -> None:
+                 kv_capacity_tokens: int | None = None, sends_payloads: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         # the context rule: a prompt must be shorter than the model's context and the KV slot's
@@ -41,6 +41,8 @@ class InputProcessor:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.defaults = defaults
         self.prefix_caching = prefix_caching  # a request's default for its `prefix_cache` flag
+        # payloads leave the engine (an ingest URL): a request's default for its payload's top tokens
+        self.sends_payloads = sends_payloads
         self._load_mods = load_mods
         self.grammars = GrammarCompiler(tokenizer, vocab_size=vocab_size, eos_token_ids=sorted(self.eos_token_ids),
                                         limits=structured)
@@ -119,6 +121,7 @@ class InputProcessor:
             min_tokens=request.min_tokens or 0, grammar=grammar, caller_request_id=request.request_id,
             prefix_cache=self.prefix_caching if request.prefix_cache is None else request.prefix_cache,
             keep_logits=gen.keep_logits,
+            payload_top_tokens=self.sends_payloads if gen.payload_top_tokens is None else gen.payload_top_tokens,
             context=RequestContext(request.user_prompt, tuple(request.conversation),
                                    dict(request.response_format) if request.response_format is not None else None,
                                    tuple(request.tools) if request.tools is not None else None),

@@ -28,7 +28,8 @@ __all__ = ["GenerationRequest", "MAX_TOP_LOGPROBS", "as_request"]
 MAX_TOP_LOGPROBS = 20
 
 # the fields whose rules (types, ranges) are the config's generation section's: one table for both
-GENERATION_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_tokens", "ignore_eos", "keep_logits")
+GENERATION_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_tokens", "ignore_eos", "keep_logits",
+                     "payload_top_tokens")
 
 
 def _ints(value: Any, name: str) -> tuple[int, ...] | None:
@@ -230,6 +231,8 @@ class GenerationRequest:
     max_tokens_cap: int | None = field(default=None, repr=False)
     prefix_cache: bool | None = None  # reuse a cached prompt prefix (None: backend.prefix_caching)
     keep_logits: bool | None = None  # the result's ForwardPass events keep their logits (None: generation.keep_logits)
+    # its payload's ForwardPass records list each step's top tokens (None: generation.payload_top_tokens)
+    payload_top_tokens: bool | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("prompt", "messages", "input_ids") if getattr(self, n) is not None]

@@ -48,7 +48,7 @@ from engine.core.phases import Phase
 from engine.core.actions import Call, PhaseActions, SteerSource, StepPlan
 from engine.core.request import ForwardRecord, RequestState, RequestStatus
 from engine.core.result import FinishReason
-from engine.model.backend import ForwardRow, RowOutput
+from engine.model.backend import ForwardRow, RowOutput, TopNeed
 from engine.model.capture import RowCapture
 from engine.model.tensor import ReleasedLogits
 from engine.model.sampling import SampleResult, SampleRow
@@ -76,7 +76,6 @@ class RequestMachine:
             state.grammar = state.request.grammar.new_state()
         # the two plans a row is fed with, built once: a prompt's rows all, later feeds the newest
         self._plans = (state.plan.with_all_query_rows(False), state.plan.with_all_query_rows(True))
-        self._wants_top = True  # the payload records each ForwardPass's top log-probs
         self._reads_logits = not self._mod_free  # its mods may read ForwardPass.logits
         self._keep_logits = state.request.keep_logits  # its result's ForwardPass events keep them
         sampling = state.request.sampling
@@ -85,6 +84,13 @@ class RequestMachine:
         # change per step (_in_place checks those); and no result keeps its logits
         self._plain_greedy = (sampling.greedy and sampling.plain and state.request.grammar is None
                               and state.request.logprobs < 0 and not self._keep_logits)
+        # what its forwards compute of the logits' top (TopNeed): the top log-probs when its payload
+        # lists them (a log-softmax over the vocabulary, which nothing else in a step needs); else
+        # the order, when its row may be lent to its one mod in place (_in_place: the draw is then
+        # read from the order the forward sorted before the mod ran); else nothing
+        self._top_need = (TopNeed.LOGPROBS if state.request.payload_top_tokens
+                          else TopNeed.ORDER if self._plain_greedy and len(state.manager.mods) == 1
+                          else TopNeed.NONE)
         # no mod and no listener: nothing sees its step events as they happen, so each step is a
         # compact trace entry (fast_step / fast_sample) and its events are made after it finished
         self.fast = self._mod_free and state.on_event is None
@@ -198,7 +204,7 @@ class RequestMachine:
         layer = self.actions.steering.layer if steer is not None and self.actions.steering is not None else None
         prefill = state.status is not RequestStatus.DECODING
         return ForwardRow(state.request_id, start, tuple(tokens), self._plans[prefill], steer, layer, table,
-                          self._wants_top)
+                          self._top_need)
 
     def reuse_prefix(self, length: int, captured: RowCapture) -> None:
         """The prompt's first ``length`` positions came from the prefix cache with the internals
@@ -305,7 +311,7 @@ class RequestMachine:
         state.step_committed = []
         output = state.output
         # the step's whole batch of logits stays alive only if the result keeps them
-        kept = output if self._keep_logits else (output.captured, output.top_source)  # type: ignore[union-attr]
+        kept = output if self._keep_logits else (output.captured, self._top_of(output))  # type: ignore[union-attr]
         self._trace.append((ForwardPass, state.step, now, kept, len(state.prompt_ids) + len(state.generated),
                             state.sae_features))
         return self._sample_row(_NO_ACTIONS)
@@ -355,7 +361,7 @@ class RequestMachine:
                     output, top = output
                     logits = ReleasedLogits((1, self.actions.vocab_size), step)
                 else:
-                    top, logits = output.top_source, None
+                    top, logits = self._top_of(output), None
                 event: ModEvent = self._forward_event_of(output, step, tokens[:length], encoded, logits=logits)
             elif kind is Sampled:
                 _, step, at, token = entry
@@ -572,8 +578,13 @@ class RequestMachine:
                 state.on_event(event)
             finally:
                 forget_decisions()  # a listener's code may rebind what mods' guards read (raising or not)
-        top = state.output.top_source if forward and state.output is not None else None
+        top = self._top_of(state.output) if forward and state.output is not None else None
         return state.payload.event(event, top)
+
+    def _top_of(self, output: Any) -> tuple[Any, Any, int] | None:
+        """What the payload keeps of a forward's top log-probs: none unless it records them (a
+        batch may hold other rows' top log-probs, and this row's slot in them is then arbitrary)."""
+        return output.top_source if self._top_need is TopNeed.LOGPROBS else None
 
     def _dispatch(self, event: ModEvent) -> Phase[list[Call]]:
         """The event is recorded, and the calls its mods are to get go to the driver (:func:`drive`,

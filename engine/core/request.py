@@ -61,6 +61,7 @@ class EngineRequest:
     caller_request_id: str | None = None
     prefix_cache: bool = True
     keep_logits: bool = False  # the result's ForwardPass events keep their step's logits
+    payload_top_tokens: bool = True  # its payload's ForwardPass records list each step's top tokens
     context: RequestContext = field(default_factory=RequestContext, repr=False, compare=False)
 
     def portable(self) -> "EngineRequest":

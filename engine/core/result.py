@@ -41,7 +41,7 @@ class IgnoredAction:
 class DeferredPayload:
     """An ingest payload built when it is first read, once (from any thread). A request whose
     payload is not sent anywhere (no ingest URL) and never read costs nothing for it: building a
-    payload (every step's record, its 20 top tokens with their texts) takes milliseconds of CPU per
+    payload (every step's record; with their texts, the top tokens it lists) takes milliseconds of CPU per
     request, which at 64 concurrent requests was 13 % of the engine's throughput. ``build`` must
     hold only what the payload is made of, never the request's state (its logits, its internals)."""
 
@@ -84,7 +84,8 @@ class GenerationResult:
     ``events``: every dispatched event in order, with hidden states and attention attached.
     ``actions``: every action the loop applied, in order (each carries ``_source``, the mod name).
     ``payload``: the ingest payload (never contains hidden states, attention or input ids); when
-    the engine sends payloads nowhere it is built on first read.
+    the engine sends payloads nowhere it is built on first read, and its ForwardPass records list
+    no top tokens unless the request asked (``payload_top_tokens``; a sent payload lists them).
     ``metadata``: request id, model, device, timings, token counts.
     ``sequence_ids``: what the model read after the prompt (stop ids kept, unlike ``output_ids``).
     ``token_logprobs``: each generated token's log-prob under the distribution it was drawn from

@@ -131,7 +131,7 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
     forward_s = [0.0]
 
     def ours(ids_list: list[list[int]], mods: list[Any] | None, *, overlap: bool | None = None,
-             keep_logits: bool | None = None) -> Callable[[], int]:
+             keep_logits: bool | None = None, top_tokens: bool | None = None) -> Callable[[], int]:
         def run() -> int:
             stats = loop.stats
             before = (stats.launch_gaps, stats.launch_gap_s)
@@ -141,7 +141,8 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
             try:
                 with loop.admission_held():  # every request starts in the same step, as HF's batch does
                     handles = [engine.submit(input_ids=ids, max_tokens=new_tokens, temperature=0.0,
-                                             ignore_eos=True, mods=mods, keep_logits=keep_logits)
+                                             ignore_eos=True, mods=mods, keep_logits=keep_logits,
+                                             payload_top_tokens=top_tokens)
                                for ids in ids_list]
                 produced = sum(len(h.result().sequence_ids) for h in handles)
             finally:
@@ -181,6 +182,8 @@ def run_concurrency_bench(engine: Any, *, concurrency: list[int], new_tokens: in
         if static_for(n):
             paths[f"hf generate, static cache, batch of {n}"] = hf_batch(ids_list, static=True)
         paths[f"raylens, {n} concurrent (default capture)"] = ours(ids_list, None)
+        # what a payload that lists each step's top tokens costs (sent payloads do; off by default here)
+        paths[f"raylens, {n} concurrent, payload top tokens"] = ours(ids_list, None, top_tokens=True)
         overlap = loop.defer_announcements  # the device's default: on with CUDA, off on a CPU
         paths[f"raylens, {n} concurrent, {'no announcement overlap' if overlap else 'announcements overlapped'}"] = \
             ours(ids_list, None, overlap=not overlap)

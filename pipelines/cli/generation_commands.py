@@ -50,7 +50,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     request = GenerationRequest(
         prompt=args.prompt, messages=messages, input_ids=input_ids, tools=tools, response_format=response_format,
         mods=tuple(mods), max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, request_id=args.request_id)
+        top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos, request_id=args.request_id,
+        payload_top_tokens=True if args.json else None)  # --json prints the payload: with its top tokens
     overrides: dict[str, dict[str, Any]] | None = None
     if args.sae or args.sae_inline:
         overrides = {"activations": {"enabled": True}, "sae": {"enabled": True}}

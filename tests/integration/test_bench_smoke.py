@@ -35,6 +35,7 @@ def test_concurrency_bench_has_the_overlap_row_and_the_host_gap_of_each_raylens_
     paths = {row["path"]: row for row in report["rows"]}
     assert "raylens, 2 concurrent, announcements overlapped" in paths  # the CPU default is in place
     assert paths["raylens, 2 concurrent + logits mod each, logits kept"]["tokens_per_s"] > 0
+    assert paths["raylens, 2 concurrent, payload top tokens"]["tokens_per_s"] > 0
     assert paths["raylens, 2 concurrent (default capture)"]["launch_gap_ms"] > 0
     assert paths["hf generate, padded batch of 2"]["launch_gap_ms"] is None
     assert engine.loop.defer_announcements is False, "the bench left the loop's switch changed"

@@ -35,6 +35,9 @@ def test_generate_with_a_legacy_mod_and_messages_file_as_json(capsys, tmp_path):
     assert data["output_text"].startswith(" [INJECTED]") and data["finish_reason"] in ("stop", "length")
     assert data["actions"][0] == {"type": "ForceTokens", "mod": "forward_pass_force_tokens"}
     assert data["payload"]["request"]["request_id"] == data["request_id"]
+    # the payload it prints lists each step's top tokens (which only sent payloads get by default)
+    forwards = [e for e in data["payload"]["events"] if e["event_type"] == "ForwardPass"]
+    assert forwards and all(len(e["top_tokens"]) == 20 for e in forwards)
 
 
 def test_generate_prints_tool_calls(capsys):

@@ -65,7 +65,8 @@ def test_payload_records_mod_calls_logs_and_actions_with_timing(engine):
             print("forcing now")
             return actions.force_tokens(tokenizer.encode(" indeed", add_special_tokens=False))
 
-    result = engine.generate("What is the capital of France?", mods=[nudger], max_tokens=12, temperature=0.0)
+    result = engine.generate("What is the capital of France?", mods=[nudger], max_tokens=12, temperature=0.0,
+                             payload_top_tokens=True)
     payload = result.payload
     assert_payload_valid(payload)
     (call,) = payload["mod_calls"]
@@ -111,6 +112,9 @@ def test_payload_is_posted_when_an_ingest_url_is_set_and_spooled_when_down(engin
         delivered = sender.generate("Hello", max_tokens=3, temperature=0.0)
         assert delivered.metadata["ingest"]["delivered"]
         assert _Collector.received[-1]["request"]["request_id"] == delivered.request_id
+        # a payload that is sent lists each step's top tokens by default (generation.payload_top_tokens)
+        forwards = [e for e in _Collector.received[-1]["events"] if e["event_type"] == "ForwardPass"]
+        assert forwards and all(len(e["top_tokens"]) == 20 for e in forwards)
         _Collector.status = 503  # the backend falls over
         kept = sender.generate("Hello", max_tokens=3, temperature=0.0)
         assert not kept.metadata["ingest"]["delivered"]

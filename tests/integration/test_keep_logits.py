@@ -32,9 +32,10 @@ def _banning_mod(seen: list[float]):
     return ban_and_note
 
 
-def _run(engine, keep: bool, mods=None, n: int = 3, max_tokens: int = 4):
+def _run(engine, keep: bool, mods=None, n: int = 3, max_tokens: int = 4, top_tokens: bool | None = None):
     handles = [engine.submit(p, max_tokens=max_tokens, temperature=0.0, keep_logits=keep,
-                             mods=mods(i) if mods else None) for i, p in enumerate(PROMPTS[:n])]
+                             mods=mods(i) if mods else None, payload_top_tokens=top_tokens)
+               for i, p in enumerate(PROMPTS[:n])]
     return [h.result(timeout=300) for h in handles]
 
 
@@ -64,7 +65,7 @@ def test_released_logits_read_live_same_tokens_and_a_clear_error_after(engine):
 
 
 def test_the_first_step_after_prefill_and_a_request_without_mods_release_too(engine):
-    (result,) = _run(engine, False, n=1, max_tokens=3)
+    (result,) = _run(engine, False, n=1, max_tokens=3, top_tokens=True)
     forwards = [e for e in result.events if isinstance(e, ForwardPass)]
     assert [e.step for e in forwards] == [0, 1, 2]
     for event in forwards:

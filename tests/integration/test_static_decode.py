@@ -78,7 +78,8 @@ def test_payload_top_tokens_come_from_the_batched_forward_and_equal_a_per_reques
     import torch
 
     eng = engine if which == "eager" else static_engine
-    handles = [eng.submit(p, max_tokens=4, temperature=0.0, keep_logits=True) for p in PROMPTS[:3]]  # batched rows
+    handles = [eng.submit(p, max_tokens=4, temperature=0.0, keep_logits=True, payload_top_tokens=True)
+               for p in PROMPTS[:3]]  # batched rows
     for result in [h.result(timeout=300) for h in handles]:
         forwards = [e for e in result.events if isinstance(e, ForwardPass)]
         records = [r for r in result.payload["events"] if r["event_type"] == "ForwardPass"]
