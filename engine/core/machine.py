@@ -48,7 +48,7 @@ from engine.core.phases import Phase
 from engine.core.actions import Call, PhaseActions, SteerSource, StepPlan
 from engine.core.request import ForwardRecord, RequestState, RequestStatus
 from engine.core.result import FinishReason
-from engine.model.backend import ForwardRow, RowOutput, TopNeed
+from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
 from engine.model.tensor import ReleasedLogits
 from engine.model.sampling import SampleResult, SampleRow
@@ -79,18 +79,16 @@ class RequestMachine:
         self._reads_logits = not self._mod_free  # its mods may read ForwardPass.logits
         self._keep_logits = state.request.keep_logits  # its result's ForwardPass events keep them
         sampling = state.request.sampling
-        # its draw is the row's argmax, read from the forward's sorted top, unless a mod hands back
+        # its draw is the row's argmax, unless a mod hands back
         # logits — SampleRow.plain of its rows, but for the stop tokens min_tokens holds back, which
         # change per step (_in_place checks those); and no result keeps its logits
         self._plain_greedy = (sampling.greedy and sampling.plain and state.request.grammar is None
                               and state.request.logprobs < 0 and not self._keep_logits)
-        # what its forwards compute of the logits' top (TopNeed): the top log-probs when its payload
-        # lists them (a log-softmax over the vocabulary, which nothing else in a step needs); else
-        # the order, when its row may be lent to its one mod in place (_in_place: the draw is then
-        # read from the order the forward sorted before the mod ran); else nothing
-        self._top_need = (TopNeed.LOGPROBS if state.request.payload_top_tokens
-                          else TopNeed.ORDER if self._plain_greedy and len(state.manager.mods) == 1
-                          else TopNeed.NONE)
+        # its forwards compute the top log-probs only when its payload lists them: a log-softmax and
+        # a top-k over the vocabulary, which nothing else in a step needs (a greedy draw reads the
+        # row's argmax; a row lent to its mod in place, its argmax found when it was lent)
+        self._wants_top = state.request.payload_top_tokens
+        self._runner_argmax = False  # its last row asked the runner for its argmax (forward_row)
         # no mod and no listener: nothing sees its step events as they happen, so each step is a
         # compact trace entry (fast_step / fast_sample) and its events are made after it finished
         self.fast = self._mod_free and state.on_event is None
@@ -203,8 +201,11 @@ class RequestMachine:
         steer = state.steer_delta
         layer = self.actions.steering.layer if steer is not None and self.actions.steering is not None else None
         prefill = state.status is not RequestStatus.DECODING
+        # its draw is the row's argmax and nothing can change the row before it: the runner finds it
+        self._runner_argmax = (self._mod_free and self._plain_greedy
+                               and len(state.generated) >= state.request.min_tokens)
         return ForwardRow(state.request_id, start, tuple(tokens), self._plans[prefill], steer, layer, table,
-                          self._top_need)
+                          self._wants_top, self._runner_argmax)
 
     def reuse_prefix(self, length: int, captured: RowCapture) -> None:
         """The prompt's first ``length`` positions came from the prefix cache with the internals
@@ -246,8 +247,9 @@ class RequestMachine:
         return True
 
     def _in_place(self) -> bool:
-        """Whether nothing reads this step's row of the logits after its mods but the forward's
-        sorted top, so that the mods may be lent the row itself (:meth:`HostLogits.share`): one mod
+        """Whether nothing reads this step's row of the logits after its mods but the draw (its
+        argmax, found as the row is lent), so that the mods may be lent the row itself
+        (:meth:`HostLogits.share`): one mod
         (the only reader: no listener, a result that does not keep logits), and a draw that is
         the row's argmax unless a mod returns logits of its own — greedy, nothing applied before
         it (no penalty, bias, ban or grammar, no stop token held back before ``min_tokens``), no
@@ -420,16 +422,22 @@ class RequestMachine:
         output = state.output
         source = output.source if plan.logits is None else None  # type: ignore[union-attr]
         logits = None if source is not None else plan.logits if plan.logits is not None else output.logits  # type: ignore[union-attr]
+        argmax = plan.argmax
+        if argmax is None and source is not None:
+            if self._host is not None:  # a row lent in place: its argmax from before its mod could write
+                argmax = self._host.drawn(self._host_row)
+            elif self._runner_argmax:  # found by the runner with the forward
+                argmax = output.argmax  # type: ignore[union-attr]
         if not (params.needs_history or params.needs_generated):
             return SampleRow(logits, params, state.generator, None, request.logprobs, None, suppress, mask, source,
-                             output.batch_top if source is not None else None, plan.argmax)  # type: ignore[union-attr]
+                             output.batch_top if source is not None else None, argmax)  # type: ignore[union-attr]
         vocab, device = self.actions.vocab_size, self.actions.device
         return SampleRow(logits, params, state.generator,
                          state.penalty_counts("history", vocab, device) if params.needs_history else None,
                          request.logprobs,
                          state.penalty_counts("generated", vocab, device) if params.needs_generated else None,
                          suppress, mask, source, output.batch_top if source is not None else None,  # type: ignore[union-attr]
-                         plan.argmax)
+                         argmax)
 
     def on_sample(self, sample: SampleResult | None) -> Phase[bool]:
         """Sampled and its actions, the step's tokens added and announced, stop checks. ``None``:
@@ -584,7 +592,7 @@ class RequestMachine:
     def _top_of(self, output: Any) -> tuple[Any, Any, int] | None:
         """What the payload keeps of a forward's top log-probs: none unless it records them (a
         batch may hold other rows' top log-probs, and this row's slot in them is then arbitrary)."""
-        return output.top_source if self._top_need is TopNeed.LOGPROBS else None
+        return output.top_source if self._wants_top else None
 
     def _dispatch(self, event: ModEvent) -> Phase[list[Call]]:
         """The event is recorded, and the calls its mods are to get go to the driver (:func:`drive`,

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from engine.core.jobs import Work
 from engine.errors import QueueFullError
-from engine.model.backend import ForwardBatch, ForwardRow, TopNeed
+from engine.model.backend import ForwardBatch, ForwardRow
 from engine.model.scoring import SequenceScores
 
 __all__ = ["embed_work", "score_work", "capture_work"]
@@ -45,7 +45,7 @@ def score_work(loop: Any, job_id: str, token_ids: Sequence[int], top_k: int) -> 
             n = min(budget, len(ids) - position)
             chunk = ids[position:position + n]
             table = kv.prepare(job_id, position, n)
-            row = ForwardRow(job_id, position, tuple(chunk), table=table, top=TopNeed.NONE,
+            row = ForwardRow(job_id, position, tuple(chunk), table=table, top=False,
                              targets=tuple(ids[position + 1:position + n + 1]), score_top_k=top_k)
             out = runner.execute(ForwardBatch((row,), kv.num_blocks, kv.take_copies())).rows()[0]
             kv.record(job_id, position, chunk, out.captured, False)

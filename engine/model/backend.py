@@ -4,8 +4,8 @@ A backend holds the model, its tokenizer and the tensors of a paged KV cache, an
 requests or blocks: which request holds which block, what is reserved, which prefix is cached and
 what is evicted are the scheduler's (:mod:`engine.core.kv_manager`). Once per step the scheduler
 hands it a :class:`ForwardBatch` — every row to feed (the tokens a request has not fed yet, the
-position of the first, the request's block table, what to capture, what of the logits' top its
-consumers need: :class:`TopNeed`) plus the pool's size and the block copies to make first — and
+position of the first, the request's block table, what to capture, whether its payload needs the
+logits' top log-probs) plus the pool's size and the block copies to make first — and
 :meth:`Backend.execute` runs it and returns a :class:`ForwardOutput`. Positions are data: a
 request that backtracked simply feeds from an earlier position again; the runner never learns why.
 
@@ -17,7 +17,6 @@ internals per :class:`~engine.model.capture.RowCapture`. Tensors stay on the mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -28,41 +27,12 @@ from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, HookSet
 from engine.model.vocab_search import vocab_topk_ids
 
 __all__ = ["Backend", "ModelInfo", "KVLayout", "ForwardRow", "ForwardBatch", "ForwardOutput", "RowOutput", "TokenScores",
-           "ForwardRecord", "FORWARD_TOP_K", "TopNeed", "forward_top", "top_logprobs", "vocab_topk_ids"]
+           "ForwardRecord", "FORWARD_TOP_K", "top_logprobs", "vocab_topk_ids"]
 
 # Every forward's most likely next tokens, which observability payloads record per ForwardPass.
 # Computed once for the whole batch (inside the replayed graph on a GPU): per request, a
 # log-softmax and a top-k over a 128k vocabulary are two more launches and host work on every row.
 FORWARD_TOP_K = 20
-
-
-class TopNeed(IntEnum):
-    """What a row's consumers need of the top of its logits, in increasing cost; a batch computes
-    the most any of its rows needs, which serves every lesser need (the order of a row's values is
-    the same for logits and log-probs)."""
-
-    NONE = 0  # nothing: a draw reads the logits themselves
-    # the two largest logits, sorted: the argmax with no pass over the row, and whether it is tied
-    # (a row lent to its one mod in place draws from this, read before the mod ran)
-    ORDER = 1
-    # the FORWARD_TOP_K largest log-probs: what a payload lists per ForwardPass (a log-softmax over
-    # the whole vocabulary, on a CPU 1.4 ms of a step at 64 rows of 49,152, on top of the top-k)
-    LOGPROBS = 2
-
-
-def forward_top(logits: Any, need: TopNeed) -> tuple[Any, Any] | None:
-    """``logits (B, V)`` → the ``(values (B, k), ids (B, k))`` sorted top that ``need`` asks for:
-    log-probs for :attr:`TopNeed.LOGPROBS`, the two largest logits for :attr:`TopNeed.ORDER`, None
-    for :attr:`TopNeed.NONE`."""
-    if need >= TopNeed.LOGPROBS:
-        return top_logprobs(logits)
-    if need <= TopNeed.NONE:
-        return None
-    k = min(2, logits.shape[-1])
-    if logits.device.type != "cpu":
-        return logits.topk(k, dim=-1)
-    indices = vocab_topk_ids(logits, k)
-    return logits.gather(1, indices), indices
 
 
 def top_logprobs(logits: Any, k: int = FORWARD_TOP_K) -> tuple[Any, Any]:
@@ -118,9 +88,9 @@ class KVLayout:
 class ForwardRow:
     """One request's part of a step's forward: feed ``tokens`` at positions ``start, start+1, …``
     (the keys/values before ``start`` are already in the request's blocks). ``table``: the
-    request's block table, covering every position up to ``start + len(tokens)``; ``top``: what
-    its consumers need of the logits' top (:class:`TopNeed`: its payload lists the top log-probs,
-    its draw reads the order)."""
+    request's block table, covering every position up to ``start + len(tokens)``; ``top``: the
+    logits' top log-probs are wanted (the request's payload records them); ``argmax``: the
+    runner finds the row's greedy choice (:attr:`ForwardOutput.argmax`)."""
 
     request_id: str
     start: int
@@ -129,7 +99,11 @@ class ForwardRow:
     steer: Any = None  # (d,) added to this row's residual stream after ``steer_layer`` (SAE steering)
     steer_layer: int | None = None
     table: Sequence[int] = ()
-    top: TopNeed = TopNeed.LOGPROBS
+    top: bool = True
+    # its draw is the row's argmax and nothing may change the row first (greedy, no mod, penalty,
+    # bias, ban, grammar or held-back stop token): a CPU runner finds it with the forward, as
+    # vLLM's and nano-vllm's runners sample, while the logits are fresh in the cache
+    argmax: bool = False
     # a prompt being scored: ``targets[j]`` is the token after position ``start + j``; the row's
     # output then carries each target's log-prob (and the ``score_top_k`` best alternatives)
     targets: tuple[int, ...] | None = None
@@ -199,7 +173,7 @@ class RowOutput:
         """The batch's :class:`~engine.model.tensor.HostLogits` with this row in it: the one host
         copy of the step's logits that every mod reading its request's logits shares (None for a
         row on its own). ``in_place``: the caller vouches that nothing reads this row after its
-        mods but the forward's sorted top (:meth:`HostLogits.share`)."""
+        one mod but the draw, its argmax (:meth:`HostLogits.share`)."""
         batch = self._batch
         if batch is None:
             return None
@@ -207,7 +181,7 @@ class RowOutput:
         if host is None:
             from engine.model.tensor import HostLogits
 
-            host = HostLogits(batch.logits, top=batch.top)
+            host = HostLogits(batch.logits)
             object.__setattr__(batch, "host", host)
         if in_place:
             host.share(self.index)
@@ -219,6 +193,12 @@ class RowOutput:
     def source(self) -> tuple[Any, int] | None:
         """``(logits (B, V) of the whole batch, this row's index)``, or None for a row on its own."""
         return (self._batch.logits, self.index) if self._batch is not None else None
+
+    @property
+    def argmax(self) -> int | None:
+        """The row's first maximum, when its runner found it (:attr:`ForwardRow.argmax`)."""
+        found = self._batch.argmax if self._batch is not None else None
+        return None if found is None else found[self.index]
 
     @property
     def batch_top(self) -> tuple[Any, Any] | None:
@@ -237,16 +217,17 @@ class RowOutput:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """A batch's outputs in row order: ``logits (B, V)`` float32; ``top`` the ``(B, k)`` sorted
-    top values and ids that the most any row needed asked for (:func:`forward_top`: log-probs when a
-    row's payload lists them, else at least each row's two largest logits, the order every need
-    reads; None when no row needed one); ``captured`` each row's own internals."""
+    """A batch's outputs in row order: ``logits (B, V)`` float32; ``top`` the ``(B, k)`` top
+    log-probs and ids (rows that did not ask may hold anything; None when no row asked);
+    ``captured`` each row's own internals."""
 
     logits: Any
     top: tuple[Any, Any] | None
     captured: tuple[RowCapture, ...]
     host: Any = field(default=None, compare=False, repr=False)  # HostLogits, once a row's mods may read it
     scores: tuple[TokenScores | None, ...] | None = None  # per row, for rows fed with targets
+    # each row's first maximum (Python ints), found when a row asked (ForwardRow.argmax), on a CPU
+    argmax: list[int] | None = None
 
     def rows(self) -> list[RowOutput]:
         return [RowOutput(None, c, None, batch=self, index=b) for b, c in enumerate(self.captured)]

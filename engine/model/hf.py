@@ -29,7 +29,7 @@ import torch
 
 from engine.config import BackendConfig
 from engine.errors import ContextOverflowError, InvalidRequestError
-from engine.model.backend import ForwardBatch, ForwardOutput, ForwardRow, KVLayout, ModelInfo, TopNeed, forward_top
+from engine.model.backend import ForwardBatch, ForwardOutput, ForwardRow, KVLayout, ModelInfo, top_logprobs
 from engine.model.scoring import score_positions
 from engine.model.capture import (
     CAPTURE_KWARG,
@@ -51,10 +51,16 @@ from engine.model.masks import AttentionMasks
 from engine.model.paged_attention import PAGED_KWARG, PagedBatch, PagedCacheView, select_kernel
 from engine.model.prepack import prepack_linears
 from engine.model.taps import taps_of
+from engine.model.vocab_search import row_max
 
 __all__ = ["HuggingFaceBackend"]
 
 log = logging.getLogger("raylens.backend")
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's first maximum of CPU ``logits (B, V)``, as Python ints (one vectorised pass a row)."""
+    return row_max(logits)[1].tolist()
 
 
 class HuggingFaceBackend:
@@ -176,8 +182,7 @@ class HuggingFaceBackend:
         # decode rows, prefill-shaped rows, and rows being scored (their every position's logits)
         kinds = [2 if r.targets is not None else 0 if len(r.tokens) == 1 else 1 for r in rows]
         groups = [g for g in ([i for i, k in enumerate(kinds) if k == kind] for kind in (0, 1, 2)) if g]
-        need = max((r.top for r in rows), default=TopNeed.NONE)  # every group computes what the batch needs
-        outs = [self._run([rows[i] for i in group], need) for group in groups]
+        outs = [self._run([rows[i] for i in group]) for group in groups]
         if len(outs) == 1:
             return outs[0]
         order = [i for group in groups for i in group]
@@ -186,12 +191,14 @@ class HuggingFaceBackend:
         inverse = inverse.to(self.device)
         logits = torch.cat([o.logits for o in outs]).index_select(0, inverse)
         top = None
-        parts = [o.top for o in outs]
-        if need > TopNeed.NONE and all(p is not None for p in parts):
-            # a replayed graph's group has the log-probs whatever the need: cut to the narrowest
-            k = min(p[0].shape[1] for p in parts)  # type: ignore[index]
-            top = (torch.cat([p[0][:, :k] for p in parts]).index_select(0, inverse),  # type: ignore[index]
-                   torch.cat([p[1][:, :k] for p in parts]).index_select(0, inverse))  # type: ignore[index]
+        if any(o.top is not None for o in outs):
+            parts = [o.top if o.top is not None else top_logprobs(o.logits) for o in outs]
+            top = (torch.cat([p[0] for p in parts]).index_select(0, inverse),
+                   torch.cat([p[1] for p in parts]).index_select(0, inverse))
+        argmax = None
+        if any(o.argmax is not None for o in outs):
+            found = [a for o in outs for a in (o.argmax if o.argmax is not None else _argmax(o.logits))]
+            argmax = [found[position] for position in inverse.tolist()]
         joined = [c for o in outs for c in o.captured]  # in group order
         joined_scores = [s for o in outs for s in (o.scores or (None,) * len(o.captured))]
         captured: list[Any] = [None] * len(order)
@@ -199,7 +206,7 @@ class HuggingFaceBackend:
         for position, i in enumerate(order):
             captured[i], scores[i] = joined[position], joined_scores[position]
         return ForwardOutput(logits, top, tuple(captured),
-                             scores=tuple(scores) if any(s is not None for s in scores) else None)
+                             scores=tuple(scores) if any(s is not None for s in scores) else None, argmax=argmax)
 
     def _static_fits(self, rows: Sequence[ForwardRow]) -> bool:
         """One-token rows, no steering: the static/graph decode path."""
@@ -229,9 +236,8 @@ class HuggingFaceBackend:
                          for b, row in enumerate(rows))
         return ForwardOutput(out.logits[:len(rows)], tuple(t[:len(rows)] for t in out.top), captured)
 
-    def _run(self, rows: Sequence[ForwardRow], need: TopNeed) -> ForwardOutput:
-        """One forward of ``rows`` (each ``q_b`` tokens, left-padded to the longest), with the
-        logits' top that ``need`` asks for (:func:`forward_top`)."""
+    def _run(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
+        """One forward of ``rows`` (each ``q_b`` tokens, left-padded to the longest)."""
         end = max(r.start + len(r.tokens) for r in rows)
         if end > self._max_sequence:
             raise ContextOverflowError(f"a request must fit {self._max_sequence} positions, needs {end}",
@@ -239,9 +245,9 @@ class HuggingFaceBackend:
         if self._static_fits(rows):
             with torch.inference_mode():
                 return self._run_static(rows)
-        return self._run_eager(rows, need)
+        return self._run_eager(rows)
 
-    def _run_eager(self, rows: Sequence[ForwardRow], need: TopNeed) -> ForwardOutput:
+    def _run_eager(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
         lengths = [len(r.tokens) for r in rows]
         starts = [r.start for r in rows]
         self.graph_stats["eager_steps"] += 1
@@ -276,12 +282,13 @@ class HuggingFaceBackend:
                     self._gathered.forget()
                 raise
             logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
-            top = forward_top(logits, need)
+            top = top_logprobs(logits) if any(r.top for r in rows) else None
+            argmax = _argmax(logits) if logits.device.type == "cpu" and any(r.argmax for r in rows) else None
             scores = tuple(score_positions(out.logits[b, q - len(r.tokens):], r.targets, r.score_top_k)  # type: ignore[arg-type]
                            for b, r in enumerate(rows)) if scoring else None
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
         captured = split_rows(out, plans, capture, hidden_index, [s + n for s, n in zip(starts, lengths)], lengths)
-        return ForwardOutput(logits, top, tuple(captured), scores=scores)
+        return ForwardOutput(logits, top, tuple(captured), scores=scores, argmax=argmax)
 
     @contextlib.contextmanager
     def _steering(self, rows: Sequence[ForwardRow]):

@@ -13,7 +13,6 @@ from engine import Engine
 from engine.config.sections import GenerationConfig
 from engine.core.inputs import GenerationRequest
 from engine.errors import ConfigError, InvalidRequestError
-from engine.model.backend import TopNeed
 from mods import ForwardPass, mod
 from tests.helpers import build_config
 
@@ -56,12 +55,9 @@ def test_a_payload_nothing_sends_lists_no_top_tokens_and_its_forwards_compute_no
     assert engine.config.ingest.url is None and engine.config.generation.payload_top_tokens is None
     plain, plain_rows = _batch(engine, None)
     listed, listed_rows = _batch(engine, True)
-    # no forward computed the log-probs: the mod-free rows need nothing of the top, the row lent to
-    # its one mod in place the order of its two largest logits (its draw, read before the mod ran)
-    needs = {r.request_id: r.top for r in plain_rows}
-    assert plain_rows and sorted(needs.values()) == [TopNeed.NONE, TopNeed.NONE, TopNeed.ORDER]
-    assert needs[plain[1].request_id] is TopNeed.ORDER
-    assert listed_rows and all(r.top is TopNeed.LOGPROBS for r in listed_rows)
+    # no forward computed them, for the mod-free rows nor for the row lent to its one mod in place
+    assert plain_rows and not any(r.top for r in plain_rows)
+    assert listed_rows and all(r.top for r in listed_rows)
     for a, b in zip(plain, listed):
         assert a.sequence_ids == b.sequence_ids  # greedy draws read the logits themselves
         assert [type(e).__name__ for e in a.events] == [type(e).__name__ for e in b.events]

@@ -187,11 +187,10 @@ def test_a_row_shared_in_place_is_lent_as_the_batchs_own_row_and_known_by_its_ke
     from_numpy of it (or of another view of the whole row) wraps it as it is under the key
     ``-1 - row``, row_max reads the row as its mod left it; a second read is a copy of it; rows
     given with add() are copied as before, in their own slots."""
-    from engine.model.backend import top_logprobs
     from engine.model.tensor import HostLogits
 
     batch = torch.randn(4, 600, generator=torch.Generator().manual_seed(0))
-    host = HostLogits(batch, top=top_logprobs(batch))
+    host = HostLogits(batch)
     host.share(1)
     host.share(3)
     host.add(2)
@@ -233,12 +232,11 @@ def test_rows_lent_in_place_are_checked_over_the_span_they_lie_in_when_they_are_
     when they are most of it (rows still feeding a prompt are not lent: gathering the others first
     would copy them), and gathered when few; either way each lent row's maximum is the one its mod
     left, and a row nobody was lent is never reported."""
-    from engine.model.backend import top_logprobs
     from engine.model.tensor import HostLogits
 
     searched = _rows_searched(monkeypatch)
     batch = torch.randn(6, 700, generator=torch.Generator().manual_seed(2))
-    host = HostLogits(batch, top=top_logprobs(batch))
+    host = HostLogits(batch)
     for row in range(6):
         host.share(row)
     for row, where in ((0, 5), (1, 300), (2, 699), (4, 512)):  # four of six rows
@@ -251,7 +249,7 @@ def test_rows_lent_in_place_are_checked_over_the_span_they_lie_in_when_they_are_
     assert searched == [5, 1]  # rows 0-4 (row 3 read too), then row 5
 
     searched.clear()
-    host = HostLogits(batch, top=top_logprobs(batch))
+    host = HostLogits(batch)
     for row in range(6):
         host.share(row)
     for row in (0, 4):  # two rows of the five they span: gathered
@@ -264,11 +262,10 @@ def test_every_row_lent_is_searched_in_one_pass_at_the_first_check(monkeypatch):
     """The first :meth:`HostLogits.row_max` of a step searches every row lent so far, in one pass,
     and later checks read what it found: each row's maximum and its first index, as its mod left
     it (a row lent but not handed back included: its mod may still hand back a view of it)."""
-    from engine.model.backend import top_logprobs
     from engine.model.tensor import HostLogits
 
     batch = torch.randn(6, 700, generator=torch.Generator().manual_seed(3))
-    host = HostLogits(batch, top=top_logprobs(batch))
+    host = HostLogits(batch)
     for row in range(6):
         host.share(row)
         host.lend(row)[0, 10 * row] = 1e6 + row
@@ -279,24 +276,52 @@ def test_every_row_lent_is_searched_in_one_pass_at_the_first_check(monkeypatch):
     assert searched == [6], "one pass over every lent row, at the first check"
 
 
-@pytest.mark.parametrize("why", ["a tie at the top", "no sorted top", "bfloat16 logits"])
-def test_a_row_that_cannot_be_lent_in_place_is_copied(why):
-    """A row whose forward's top two are equal (the greedy draw would read the row to break the
-    tie), a batch without a sorted top, or logits that are not float32 on a CPU: share() copies."""
-    from engine.model.backend import top_logprobs
+def test_logits_that_are_not_float32_on_a_cpu_are_copied_not_lent_in_place():
     from engine.model.tensor import HostLogits
 
-    batch = torch.randn(3, 600, generator=torch.Generator().manual_seed(1))
-    if why == "a tie at the top":
-        batch[0, 7] = batch[0, 9] = batch[0].max() + 1.0
-    top = None if why == "no sorted top" else top_logprobs(batch)
-    if why == "bfloat16 logits":
-        batch = batch.to(torch.bfloat16)
-    host = HostLogits(batch, top=top)
+    batch = torch.randn(3, 600, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    host = HostLogits(batch)
     host.share(0)
     lent = host.lend(0)
     assert lent.dtype == np.float32 and not np.shares_memory(lent, batch.float().numpy())
-    assert host.slot == {0: 0}
+    assert host.slot == {0: 0} and host.drawn(0) is None
+
+
+def test_a_row_lent_in_place_is_drawn_from_as_it_was_before_its_mod_wrote_into_it():
+    """The row's greedy choice is found when it is lent, before the mod has it: its first maximum
+    (a tie goes to the first id, as argmax picks it), whatever the mod writes there after; a row
+    not lent in place has none (the draw reads it)."""
+    from engine.model.tensor import HostLogits
+
+    batch = torch.randn(3, 600, generator=torch.Generator().manual_seed(4))
+    batch[0, 9] = batch[0, 7] = batch[0].max() + 1.0  # a tie at the top
+    host = HostLogits(batch)
+    host.share(0)
+    host.share(1)
+    view = host.lend(0)
+    assert np.shares_memory(view, batch.numpy())
+    view[0, 100] = 1e9  # the mod's write, never handed back
+    assert host.drawn(0) == 7 and int(batch[0].argmax()) == 100
+    assert host.drawn(1) is None  # shared, never read: the draw reads the row, unchanged
+
+
+def test_a_row_handed_back_is_checked_when_its_call_returns_and_not_again(monkeypatch):
+    """returned(key): the check of a row lent in place is made right after its mod's call (the
+    row is still in the core's cache); row_max then reads it without a second search. A copied row
+    waits for the step's one search."""
+    from engine.model.tensor import HostLogits
+
+    searched = _rows_searched(monkeypatch)
+    batch = torch.randn(4, 700, generator=torch.Generator().manual_seed(5))
+    host = HostLogits(batch)
+    host.share(0)
+    host.add(1)
+    host.lend(0)[0, 3] = 7e6
+    host.returned(-1)
+    assert host.row_max(-1) == (7e6, 3) and searched == []
+    host.lend(1)[0, 5] = 8e6
+    host.returned(0)  # a copied row: left to the search
+    assert host.row_max(0) == (8e6, 5) and searched == [1]
 
 
 @pytest.mark.parametrize("on_copier", [True, False], ids=["on the copier", "on the loop's thread (small)"])

@@ -37,22 +37,3 @@ def test_clustered_best_scores_and_ties():
     assert ids[0].tolist() == list(range(1019, 999, -1))
     assert ids[2, 0] == 77
     assert len(set(ids[1].tolist())) == 20 and all(i % 2457 == 0 for i in ids[1].tolist())
-
-
-@pytest.mark.parametrize("vocab", [49_152, 50_257, 3])
-def test_a_forward_computes_only_the_top_its_rows_need(vocab):
-    """The order (a draw's argmax and tie check) is the two largest logits themselves, with no
-    log-softmax; the log-probs are top_logprobs'; nothing is None."""
-    from engine.model.backend import TopNeed, forward_top
-
-    generator = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(5, vocab, generator=generator) * 4
-    logits[1, 0] = logits[1, -1] = 60.0  # a row whose two best tie
-    assert forward_top(logits, TopNeed.NONE) is None
-    values, ids = forward_top(logits, TopNeed.ORDER)
-    expected = logits.topk(2, dim=-1)
-    assert torch.equal(values, expected.values)  # logits, not log-probs
-    assert torch.equal(ids[[0, 2, 3, 4]], expected.indices[[0, 2, 3, 4]])
-    assert sorted(ids[1].tolist()) == [0, vocab - 1] and values[1, 0] == values[1, 1]
-    for got, want in zip(forward_top(logits, TopNeed.LOGPROBS), top_logprobs(logits)):
-        assert torch.equal(got, want)

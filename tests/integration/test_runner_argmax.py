@@ -1,0 +1,56 @@
+"""A greedy row that nothing can change before its draw (no mod, penalty, bias, ban, grammar or
+stop token held back by ``min_tokens``) has its argmax found by the model runner with the forward,
+while the logits are fresh in the cache, as vLLM's runner samples; any other row is drawn by the
+step's sampler as before. Either way the token is the row's first maximum."""
+
+from __future__ import annotations
+
+import torch
+
+from mods import ForwardPass, mod
+
+
+@mod
+def _reader(event, actions, tokenizer):
+    if isinstance(event, ForwardPass):
+        event.logits.to_numpy()  # reads, hands nothing back
+    return None
+
+
+def _watch(engine):
+    seen = []
+    runner = engine.loop.runner
+    execute = runner.execute
+
+    def watched(batch):
+        out = execute(batch)
+        seen.append((batch.rows, out))
+        return out
+    runner.execute = watched
+    return seen, runner
+
+
+def test_the_runner_finds_the_argmax_of_the_rows_that_ask_and_only_those(engine):
+    seen, runner = _watch(engine)
+    try:
+        with engine.loop.admission_held():
+            handles = {
+                "greedy": engine.submit("Name a colour.", max_tokens=5, temperature=0.0),
+                "held": engine.submit("Count to three.", max_tokens=5, temperature=0.0, min_tokens=3),
+                "sampled": engine.submit("Say hello.", max_tokens=5, temperature=0.7, seed=1),
+                "mod": engine.submit("Say hi.", max_tokens=5, temperature=0.0, mods=[_reader]),
+            }
+            ids = {h.request_id: name for name, h in handles.items()}
+        results = {name: h.result(timeout=300) for name, h in handles.items()}
+    finally:
+        del runner.execute
+    asked: dict[str, list[bool]] = {name: [] for name in handles}
+    for rows, out in seen:
+        for b, row in enumerate(rows):
+            asked[ids[row.request_id]].append(row.argmax)
+            if row.argmax:
+                assert out.argmax[b] == int(torch.argmax(out.logits[b]))
+    assert asked["greedy"] == [True] * 5
+    assert asked["held"] == [False] * 3 + [True] * 2  # its stop tokens are held back for three tokens
+    assert not any(asked["sampled"]) and not any(asked["mod"])
+    assert all(r.finish_reason.value == "length" for r in results.values())
