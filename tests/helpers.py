@@ -156,6 +156,7 @@ class ScriptedBackend:
 
         from engine.model.backend import ForwardOutput, top_logprobs
         from engine.model.capture import RowCapture
+        from engine.model.vocab_search import row_max
 
         logits = []
         for row in batch.rows:
@@ -164,7 +165,11 @@ class ScriptedBackend:
             self.forward_count += 1
             logits.append(self._logits(seq))
         stacked = torch.stack(logits)
-        return ForwardOutput(stacked, top_logprobs(stacked), tuple(RowCapture() for _ in batch.rows))
+        # what its rows ask besides their logits, as a model runner computes it: the payload's top
+        # log-probs, the greedy argmax (each row's first maximum)
+        top = top_logprobs(stacked) if any(r.top for r in batch.rows) else None
+        argmax = row_max(stacked)[1].tolist() if any(r.argmax for r in batch.rows) else None
+        return ForwardOutput(stacked, top, tuple(RowCapture() for _ in batch.rows), argmax=argmax)
 
     def _sequence_of(self, row: Any) -> dict[str, Any]:
         """What the row's sequence was fed so far. A sequence is known by its table's first block,

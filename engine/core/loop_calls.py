@@ -25,7 +25,6 @@ import time
 from typing import Callable, Sequence
 
 from mods.manager import ABANDONED_THREAD_NAME, PendingCall, stack_of
-from mods.types import AdjustedLogits
 
 __all__ = ["LoopCalls", "LoopAbandoned", "TakeOver"]
 
@@ -37,16 +36,6 @@ TakeOver = Callable[[Sequence[PendingCall], int], threading.Thread]
 
 _IDLE_CHECK_S = 60.0  # how long the watchdog sleeps with no call running
 _RETRY_S = 1.0  # how soon it tries again when no new loop thread could be started
-
-
-def _returned(pending: PendingCall) -> None:
-    """A call that handed back the row of the step's logits lent to it in place has it checked
-    now, while the row is in this core's cache (:meth:`~engine.model.tensor.HostLogits.returned`)."""
-    outcome = pending.outcome
-    if outcome is not None and type(outcome[0]) is AdjustedLogits:
-        lent = getattr(outcome[0].logits, "lent", None)
-        if lent is not None:
-            lent[0].returned(lent[1])
 
 
 class LoopAbandoned(BaseException):
@@ -100,7 +89,6 @@ class LoopCalls:
                     if self._owner is not me:
                         raise LoopAbandoned
                     self._running = None
-            _returned(pending)
 
     def close(self) -> None:
         """Stop the watchdog (a call running now is no longer watched)."""

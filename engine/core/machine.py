@@ -86,7 +86,7 @@ class RequestMachine:
                               and state.request.logprobs < 0 and not self._keep_logits)
         # its forwards compute the top log-probs only when its payload lists them: a log-softmax and
         # a top-k over the vocabulary, which nothing else in a step needs (a greedy draw reads the
-        # row's argmax; a row lent to its mod in place, its argmax found when it was lent)
+        # row's argmax)
         self._wants_top = state.request.payload_top_tokens
         self._runner_argmax = False  # its last row asked the runner for its argmax (forward_row)
         # no mod and no listener: nothing sees its step events as they happen, so each step is a
@@ -201,9 +201,11 @@ class RequestMachine:
         steer = state.steer_delta
         layer = self.actions.steering.layer if steer is not None and self.actions.steering is not None else None
         prefill = state.status is not RequestStatus.DECODING
-        # its draw is the row's argmax and nothing can change the row before it: the runner finds it
-        self._runner_argmax = (self._mod_free and self._plain_greedy
-                               and len(state.generated) >= state.request.min_tokens)
+        # its draw is the row's argmax, found by the runner with the forward: nothing changes the row
+        # before the draw, or its one mod may only hand back logits of its own (the row is then lent
+        # to it in place, _in_place, and drawn from as it was before the mod could write into it)
+        self._runner_argmax = ((self._mod_free and self._plain_greedy
+                                and len(state.generated) >= state.request.min_tokens) or self._in_place())
         return ForwardRow(state.request_id, start, tuple(tokens), self._plans[prefill], steer, layer, table,
                           self._wants_top, self._runner_argmax)
 
@@ -235,7 +237,9 @@ class RequestMachine:
         if self._reads_logits:
             last, source = self._host, output.source
             self._read_logits = last is not None and last.was_lent(self._host_row)
-            self._host = output.host_logits(self._in_place())  # one host copy of the step's logits for every mod
+            # one host copy of the step's logits for every mod; its row lent in place when the
+            # runner found its argmax (the draw, unless the mod hands back logits of its own)
+            self._host = output.host_logits(self._runner_argmax and output.argmax is not None and self._in_place())
             self._host_row = source[1] if source is not None else -1
         self._report_forward(row)
         if state.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
@@ -248,7 +252,7 @@ class RequestMachine:
 
     def _in_place(self) -> bool:
         """Whether nothing reads this step's row of the logits after its mods but the draw (its
-        argmax, found as the row is lent), so that the mods may be lent the row itself
+        argmax, which the runner finds with the forward), so that the mods may be lent the row itself
         (:meth:`HostLogits.share`): one mod
         (the only reader: no listener, a result that does not keep logits), and a draw that is
         the row's argmax unless a mod returns logits of its own — greedy, nothing applied before
@@ -423,11 +427,8 @@ class RequestMachine:
         source = output.source if plan.logits is None else None  # type: ignore[union-attr]
         logits = None if source is not None else plan.logits if plan.logits is not None else output.logits  # type: ignore[union-attr]
         argmax = plan.argmax
-        if argmax is None and source is not None:
-            if self._host is not None:  # a row lent in place: its argmax from before its mod could write
-                argmax = self._host.drawn(self._host_row)
-            elif self._runner_argmax:  # found by the runner with the forward
-                argmax = output.argmax  # type: ignore[union-attr]
+        if argmax is None and source is not None and self._runner_argmax:  # found with the forward,
+            argmax = output.argmax  # type: ignore[union-attr]  # before any mod could write into the row
         if not (params.needs_history or params.needs_generated):
             return SampleRow(logits, params, state.generator, None, request.logprobs, None, suppress, mask, source,
                              output.batch_top if source is not None else None, argmax)  # type: ignore[union-attr]

@@ -234,7 +234,9 @@ class HuggingFaceBackend:
                                     {layer: out.patterns[layer][b][:, :, :row.start + 1]  # (h, 1, kv)
                                      for layer in row.plan.attention_layers})
                          for b, row in enumerate(rows))
-        return ForwardOutput(out.logits[:len(rows)], tuple(t[:len(rows)] for t in out.top), captured)
+        logits = out.logits[:len(rows)]
+        argmax = _argmax(logits) if logits.device.type == "cpu" and any(r.argmax for r in rows) else None
+        return ForwardOutput(logits, tuple(t[:len(rows)] for t in out.top), captured, argmax=argmax)
 
     def _run(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
         """One forward of ``rows`` (each ``q_b`` tokens, left-padded to the longest)."""

@@ -19,14 +19,11 @@ edit-and-return of a logits mod) wraps it without copying again.
 
 A row that nothing reads after its one mod but the draw (:meth:`HostLogits.share`: one mod, no
 listener, logits not kept, a plain greedy draw) is not copied at all on a CPU: its first
-``to_numpy()`` is the batch's own row, searched just before the mod gets it. What its mod writes
-there, the engine never reads (the step's greedy choice is the argmax that search found,
-:meth:`HostLogits.drawn`), unless the mod hands the row back as ``AdjustedLogits``; only the mod's
-own later reads of the row in that step see its writes. At 64 concurrent requests that is 12 MB a
-step neither copied nor written. The search also brings the row into the core's cache, where the
-mod's edit and the check of a row handed back (:meth:`HostLogits.returned`, right after its call)
-find it: one pass over the row from memory, not three (the forward's sort of its top, the mod's
-edit, the check).
+``to_numpy()`` is the batch's own row. What its mod writes there, the engine never reads (the
+step's greedy choice is the row's argmax, which the runner found with the forward, before any mod
+ran: :attr:`~engine.model.backend.ForwardOutput.argmax`), unless the mod hands the row back as
+``AdjustedLogits``; only the mod's own later reads of the row in that step see its writes. At 64
+concurrent requests that is 12 MB a step neither copied nor written.
 """
 
 from __future__ import annotations
@@ -77,7 +74,6 @@ class HostLogits:
         self._shared: set[int] = set()  # the rows lent in place
         self._rows: np.ndarray | None = None  # the batch itself, as numpy (rows lent in place are views of it)
         self._found: dict[int, tuple[float, int]] = {}  # a lent row's key -> (maximum, its first index)
-        self._before: dict[int, tuple[float, int]] = {}  # a row lent in place -> the same, before its mod
         self._in_place: bool | None = None  # rows may be lent in place (a float32 batch on a CPU)
 
     def add(self, row: int) -> None:
@@ -86,11 +82,11 @@ class HostLogits:
 
     def share(self, row: int) -> None:
         """Row ``row``'s mods may read it, and the caller vouches that nothing reads the row after
-        them but the step's draw, the row's argmax (one mod is all that reads it, no listener, a
-        result that does not keep logits, a plain greedy draw): its first read is then a writable
-        view of the batch's own row, no copy, searched just before it is lent (:meth:`drawn`) —
-        what a mod writes there, nothing the engine samples or records ever reads. Only for a
-        float32 batch on a CPU; any other row is :meth:`add` ed."""
+        them but the step's draw, whose argmax the runner found before any mod ran (one mod is all
+        that reads it, no listener, a result that does not keep logits, a plain greedy draw): its
+        first read is then a writable view of the batch's own row, no copy — what a mod writes
+        there, nothing the engine samples or records ever reads. Only for a float32 batch on a
+        CPU; any other row is :meth:`add` ed."""
         in_place = self._in_place
         if in_place is None:  # read once a step: a tensor's device and dtype cost microseconds each read
             batch = self.batch
@@ -102,24 +98,6 @@ class HostLogits:
     def was_lent(self, row: int) -> bool:
         """Whether row ``row`` was read (its first ``to_numpy()``)."""
         return row in self._lent
-
-    def drawn(self, row: int) -> int | None:
-        """The greedy choice of row ``row`` lent in place (its first maximum, as ``argmax`` picks
-        it, found before its mod had the row), or None for a row not lent in place: the draw of a
-        row whose mod did not hand logits back, which the mod may have written into."""
-        found = self._before.get(row)
-        return None if found is None else found[1]
-
-    def returned(self, key: int) -> None:
-        """The mod lent row ``key`` has returned it as its logits (its call is over): search it
-        now, while the search made when it was lent has left it in this core's cache, for the
-        check :meth:`row_max` reads. Only rows lent in place: a copied row was made by another
-        thread and is not in this core's cache."""
-        if key >= 0:
-            return
-        with self._lock:
-            if key not in self._found and -1 - key in self._lent and self._rows is not None:
-                self._found[key] = _first_max(self._rows[-1 - key])
 
     def copy_ahead(self) -> None:
         """Start the host copy of a CPU float32 batch now, on a thread of its own, before any mod
@@ -174,7 +152,6 @@ class HostLogits:
             if rows is None:
                 rows = self._rows = self.batch.detach().numpy()  # the same memory: no copy
                 _LENT[id(rows)] = self
-            self._before[row] = _first_max(rows[row])  # the draw's argmax, before the mod can write
             view = rows[row:row + 1]
             self._views[id(view)] = (view, -1 - row)
             return view
@@ -265,13 +242,6 @@ class HostLogits:
         for span in spans:
             found.update(span.maxima())
         return found
-
-
-def _first_max(row: np.ndarray) -> tuple[float, int]:
-    """``(maximum, its first index)`` of a float32 row ``(V,)``: one vectorised pass (a NaN
-    row's maximum is NaN, which every caller refuses)."""
-    index = int(row.argmax())
-    return float(row[index]), index
 
 
 class _Span:

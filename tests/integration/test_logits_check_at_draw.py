@@ -1,9 +1,8 @@
 """The rows of a step's logits that mods hand back (``AdjustedLogits`` of the row they were lent) are
-checked (finite, and their greedy choice found) on the step loop's thread and settled just before
-the step's draw: a row lent in place is searched right after its mod's call (while it is in the
-core's cache), the copied rows of the step in one search at the draw. Whether the check was
-settled in the phase or before the draw changes nothing a mod or a result can see: outputs,
-events, payloads and the fault a non-finite row is."""
+checked (finite, and their greedy choice found) just before the step's draw, every row of the step
+in one search on the step loop's thread. Whether the check was settled in the phase or before the
+draw changes nothing a mod or a result can see: outputs, events, payloads and the fault a
+non-finite row is."""
 
 from __future__ import annotations
 
@@ -78,21 +77,12 @@ def test_rows_handed_back_are_checked_at_the_draw_in_one_search_with_the_results
     settled: list[int] = []
     real_settle = PhaseActions.settle
     monkeypatch.setattr(PhaseActions, "settle", lambda self, plan: settled.append(1) or real_settle(self, plan))
-    early: list[tuple[str, int]] = []  # rows lent in place, checked right after their calls
-    real_returned = HostLogits.returned
-    monkeypatch.setattr(HostLogits, "returned", lambda self, key: (
-        key < 0 and early.append((threading.current_thread().name, key))) or real_returned(self, key))
     at_draw = _run(_ban_best(poison), keep_logits=keep_logits)
-    if keep_logits:  # copied: the loop's thread searched each step's four rows handed back at once;
-        # once the poisoned request has failed, three
-        assert {n for _, n in searches} == ({4} if poison is None else {4, 3}), searches
-        assert all(name == "raylens-step-loop" for name, _ in searches), searches
-        assert len(settled) == sum(n for _, n in searches)  # each row handed back was checked at the draw
-        assert not early
-    else:  # lent in place: each row searched right after its mod's call, none left to a search
-        assert not searches and early
-        assert all(name == "raylens-step-loop" for name, _ in early), early
-        assert len(settled) == len(early)  # each row handed back was settled at the draw
+    # the loop's thread searched each step's four rows handed back at once; once the poisoned
+    # request has failed, three
+    assert {n for _, n in searches} == ({4} if poison is None else {4, 3}), searches
+    assert all(name == "raylens-step-loop" for name, _ in searches), searches
+    assert len(settled) == sum(n for _, n in searches)  # each row handed back was checked at the draw
 
     real_adjust = PhaseActions.adjust_logits
     monkeypatch.setattr(PhaseActions, "adjust_logits",  # every check made in the phase, at once

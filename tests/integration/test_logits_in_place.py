@@ -1,6 +1,6 @@
 """A row of a step's logits is lent to its mod in place (no host copy) when nothing reads the row
-after the mod but the forward's sorted top: one mod, no listener, logits not kept, a plain greedy
-draw. Its mod then edits the engine's own row; nothing the engine samples, records or returns
+after the mod but its draw, whose argmax the runner found before the mod ran: one mod, no
+listener, logits not kept, a plain greedy draw. Its mod then edits the engine's own row; nothing the engine samples, records or returns
 changes for it. Every other request's mods get the copy, as before."""
 
 from __future__ import annotations

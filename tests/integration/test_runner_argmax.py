@@ -1,7 +1,8 @@
-"""A greedy row that nothing can change before its draw (no mod, penalty, bias, ban, grammar or
-stop token held back by ``min_tokens``) has its argmax found by the model runner with the forward,
-while the logits are fresh in the cache, as vLLM's runner samples; any other row is drawn by the
-step's sampler as before. Either way the token is the row's first maximum."""
+"""A greedy row that nothing can change before its draw (no penalty, bias, ban, grammar or stop
+token held back by ``min_tokens``; no mod, or one whose row is lent to it in place and drawn from
+as it was before the mod ran) has its argmax found by the model runner with the forward, while the
+logits are fresh in the cache, as vLLM's runner samples; any other row is drawn by the step's
+sampler as before. Either way the token is the row's first maximum."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def test_the_runner_finds_the_argmax_of_the_rows_that_ask_and_only_those(engine)
                 "held": engine.submit("Count to three.", max_tokens=5, temperature=0.0, min_tokens=3),
                 "sampled": engine.submit("Say hello.", max_tokens=5, temperature=0.7, seed=1),
                 "mod": engine.submit("Say hi.", max_tokens=5, temperature=0.0, mods=[_reader]),
+                "listened": engine.submit("Say hey.", max_tokens=5, temperature=0.0, mods=[_reader],
+                                          on_event=lambda event: None),
             }
             ids = {h.request_id: name for name, h in handles.items()}
         results = {name: h.result(timeout=300) for name, h in handles.items()}
@@ -52,5 +55,7 @@ def test_the_runner_finds_the_argmax_of_the_rows_that_ask_and_only_those(engine)
                 assert out.argmax[b] == int(torch.argmax(out.logits[b]))
     assert asked["greedy"] == [True] * 5
     assert asked["held"] == [False] * 3 + [True] * 2  # its stop tokens are held back for three tokens
-    assert not any(asked["sampled"]) and not any(asked["mod"])
+    assert not any(asked["sampled"])
+    assert asked["mod"] == [True] * 5  # its row is lent to its one mod in place: drawn as the runner found it
+    assert not any(asked["listened"])  # a listener reads the row too: copied for the mod, drawn by the sampler
     assert all(r.finish_reason.value == "length" for r in results.values())
