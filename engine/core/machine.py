@@ -79,9 +79,9 @@ class RequestMachine:
         self._reads_logits = not self._mod_free  # its mods may read ForwardPass.logits
         self._keep_logits = state.request.keep_logits  # its result's ForwardPass events keep them
         sampling = state.request.sampling
-        # its draw is the row's argmax, unless a mod hands back
-        # logits — SampleRow.plain of its rows, but for the stop tokens min_tokens holds back, which
-        # change per step (_in_place checks those); and no result keeps its logits
+        # its draw is the row's argmax, unless a mod hands back logits — SampleRow.plain of its rows,
+        # but for the stop tokens min_tokens holds back, which change per step (forward_row and
+        # _in_place check those); and no result keeps its logits
         self._plain_greedy = (sampling.greedy and sampling.plain and state.request.grammar is None
                               and state.request.logprobs < 0 and not self._keep_logits)
         # its forwards compute the top log-probs only when its payload lists them: a log-softmax and

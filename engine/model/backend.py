@@ -5,7 +5,7 @@ requests or blocks: which request holds which block, what is reserved, which pre
 what is evicted are the scheduler's (:mod:`engine.core.kv_manager`). Once per step the scheduler
 hands it a :class:`ForwardBatch` — every row to feed (the tokens a request has not fed yet, the
 position of the first, the request's block table, what to capture, whether its payload needs the
-logits' top log-probs) plus the pool's size and the block copies to make first — and
+logits' top log-probs and whether its draw is the row's argmax) plus the pool's size and the block copies to make first — and
 :meth:`Backend.execute` runs it and returns a :class:`ForwardOutput`. Positions are data: a
 request that backtracked simply feeds from an earlier position again; the runner never learns why.
 
@@ -100,9 +100,9 @@ class ForwardRow:
     steer_layer: int | None = None
     table: Sequence[int] = ()
     top: bool = True
-    # its draw is the row's argmax and nothing may change the row first (greedy, no mod, penalty,
-    # bias, ban, grammar or held-back stop token): a CPU runner finds it with the forward, as
-    # vLLM's and nano-vllm's runners sample, while the logits are fresh in the cache
+    # its draw is the row's argmax as the forward left it (greedy; no penalty, bias, ban, grammar or
+    # held-back stop token; no mod, or one lent the row in place whose writes the draw ignores): a
+    # CPU runner finds it with the forward, as vLLM's and nano-vllm's runners sample
     argmax: bool = False
     # a prompt being scored: ``targets[j]`` is the token after position ``start + j``; the row's
     # output then carries each target's log-prob (and the ``score_top_k`` best alternatives)
