@@ -238,8 +238,9 @@ class RequestMachine:
             last, source = self._host, output.source
             self._read_logits = last is not None and last.was_lent(self._host_row)
             # one host copy of the step's logits for every mod; its row lent in place when the
-            # runner found its argmax (the draw, unless the mod hands back logits of its own)
-            self._host = output.host_logits(self._runner_argmax and output.argmax is not None and self._in_place())
+            # runner found its argmax (for a request with mods, asked only when _in_place held):
+            # the draw, unless the mod hands back logits of its own
+            self._host = output.host_logits(self._runner_argmax and output.argmax is not None)
             self._host_row = source[1] if source is not None else -1
         self._report_forward(row)
         if state.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):

@@ -63,6 +63,12 @@ def _argmax(logits: torch.Tensor) -> list[int]:
     return row_max(logits)[1].tolist()
 
 
+def _asked_argmax(logits: torch.Tensor, rows: Sequence[ForwardRow]) -> list[int] | None:
+    """:func:`_argmax` of a forward's logits when one of its ``rows`` asked (``ForwardRow.argmax``),
+    on a CPU; None elsewhere (a GPU's sampler finds its own, with no host read here)."""
+    return _argmax(logits) if logits.device.type == "cpu" and any(r.argmax for r in rows) else None
+
+
 class HuggingFaceBackend:
     def __init__(self, config: BackendConfig | None = None) -> None:
         self.model: Any = None
@@ -235,8 +241,8 @@ class HuggingFaceBackend:
                                      for layer in row.plan.attention_layers})
                          for b, row in enumerate(rows))
         logits = out.logits[:len(rows)]
-        argmax = _argmax(logits) if logits.device.type == "cpu" and any(r.argmax for r in rows) else None
-        return ForwardOutput(logits, tuple(t[:len(rows)] for t in out.top), captured, argmax=argmax)
+        return ForwardOutput(logits, tuple(t[:len(rows)] for t in out.top), captured,
+                             argmax=_asked_argmax(logits, rows))
 
     def _run(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
         """One forward of ``rows`` (each ``q_b`` tokens, left-padded to the longest)."""
@@ -285,7 +291,7 @@ class HuggingFaceBackend:
                 raise
             logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
             top = top_logprobs(logits) if any(r.top for r in rows) else None
-            argmax = _argmax(logits) if logits.device.type == "cpu" and any(r.argmax for r in rows) else None
+            argmax = _asked_argmax(logits, rows)
             scores = tuple(score_positions(out.logits[b, q - len(r.tokens):], r.targets, r.score_top_k)  # type: ignore[arg-type]
                            for b, r in enumerate(rows)) if scoring else None
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
