@@ -393,13 +393,16 @@ class ReleasedLogits:
         return f"ReleasedLogits(shape={self.shape}, step={self.step})"
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 class TensorShim:
     """``readonly``: the tensors events hand mods are the engine's own (a row of the batch's
     logits, a slice of captured internals); writing into them would change what the engine samples
     while the payload records a Noop, so writes raise. A mod changes logits by returning
     ``AdjustedLogits`` with an edited copy (``to_numpy()`` already returns a copy)."""
 
-    __slots__ = ("_view", "_readonly", "_source", "_host", "lent")
+    __slots__ = ("_view", "_readonly", "_source", "_host", "lent", "_shape")
 
     def __init__(self, tensor: torch.Tensor, *, readonly: bool = False) -> None:
         self._view = tensor
@@ -407,6 +410,7 @@ class TensorShim:
         self._source: tuple[torch.Tensor, int] | None = None
         self._host: HostLogits | None = None
         self.lent: tuple[HostLogits, int] | None = None  # (the step's lender, the row's key) when wrapping a whole lent row
+        self._shape: tuple[int, ...] | None = None  # known without asking torch (a wrapped numpy array's)
 
     @classmethod
     def row(cls, batch: torch.Tensor, index: int, host: HostLogits | None = None) -> "TensorShim":
@@ -414,7 +418,8 @@ class TensorShim:
         is first used (a step hands every request its logits; most are never read); ``host``: the
         step's host copy for mods, if this row is in it."""
         shim = cls.__new__(cls)
-        shim._view, shim._readonly, shim._source, shim._host, shim.lent = None, True, (batch, index), host, None
+        shim._view, shim._readonly, shim._source, shim._host, shim.lent, shim._shape = None, True, (batch, index), host, \
+            None, None
         return shim
 
     @property
@@ -437,10 +442,13 @@ class TensorShim:
         the mod's own copy."""
         base = getattr(array, "base", None)
         lender = _LENT.get(id(base)) if base is not None else None
-        if lender is not None and lender.owns(base) and array.dtype == np.float32:
+        if lender is not None and lender.owns(base) and array.dtype is _FLOAT32:  # (a lent view's own dtype)
             shim = cls(torch.from_numpy(array))
             slot = lender.slot_of(array)
             shim.lent = None if slot is None else (lender, slot)
+            # numpy's shape is a tuple of ints already: the action's record and its released copy
+            # read it every step, and torch's costs a microsecond or two each time
+            shim._shape = array.shape
             return shim
         return cls(torch.from_numpy(np.array(array, copy=True)))
 
@@ -466,10 +474,14 @@ class TensorShim:
 
     def to(self, device: Any) -> "TensorShim":
         target = torch.device(device) if not isinstance(device, torch.device) else device
+        if self._shape is not None and target.type == "cpu" and target.index is None:  # a wrapped host array:
+            return self  # on the CPU already (the usual logits mod's ``.to(event.logits.device)`` every step)
         return self if self._tensor.device == target else TensorShim(self._tensor.to(target))
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self._shape is not None:
+            return self._shape
         if self._view is None:  # a row not viewed yet: its shape without making the view
             batch = self._source[0]  # type: ignore[index]
             return (1, *batch.shape[1:])

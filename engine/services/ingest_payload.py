@@ -377,12 +377,6 @@ class PayloadBuilder:
         if call_index is None:
             return
         at = time.time()  # what datetime.now(utc).timestamp() reads, at a tenth of the cost
-        if type(action).__name__ == "Steer":  # the backend's action types are a closed set: a log line
-            fid, scale = getattr(action, "feature_id", None), getattr(action, "scale", None)
-            status = "applied" if applied else f"not applied: {note}"
-            message = f"[raylens] Steer feature_id={fid} scale={scale} ({status})"[:2000]
-            self._log.append((_STEER, call_index, message, at))
-            return
         details: dict[str, Any] = {"applied": applied}
         if note:
             details["note"] = note
@@ -391,6 +385,12 @@ class PayloadBuilder:
             dims = tuple(map(int, shape)) if shape is not None else None
             temp = None if action.token_temp is None else finite(float(action.token_temp))
             self._log.append((_ADJUSTED, call_index, details, at, dims, temp))
+            return
+        if type(action).__name__ == "Steer":  # the backend's action types are a closed set: a log line
+            fid, scale = getattr(action, "feature_id", None), getattr(action, "scale", None)
+            status = "applied" if applied else f"not applied: {note}"
+            message = f"[raylens] Steer feature_id={fid} scale={scale} ({status})"[:2000]
+            self._log.append((_STEER, call_index, message, at))
             return
         record = self._action_record(call_index, type(action).__name__, details, at)
         self._describe(record, details, action)

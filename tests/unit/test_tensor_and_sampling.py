@@ -182,6 +182,27 @@ def test_from_numpy_knows_a_lent_row_by_the_view_lent_and_by_any_other_view_of_t
     assert TensorShim.from_numpy(other).lent == (host, 0)
 
 
+def test_a_wrapped_lent_row_answers_shape_and_to_as_its_tensor_does():
+    """A lent row wrapped by from_numpy keeps the array's shape (numpy's, read without torch) and
+    stays itself on ``.to`` the CPU: each answer is what its tensor would give, in any shape the
+    mod reshaped it to."""
+    from engine.model.tensor import HostLogits
+
+    batch = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    host = HostLogits(batch)
+    host.share(1)
+    view = host.lend(1)
+    for array in (view, view.reshape(8), view[:]):
+        wrapped = TensorShim.from_numpy(array)
+        assert wrapped.lent == (host, -2)
+        assert wrapped.shape == tuple(wrapped.tensor.shape) == array.shape
+        for device in ("cpu", torch.device("cpu"), wrapped.device):
+            moved = wrapped.to(device)
+            assert moved is wrapped and moved.tensor.device.type == "cpu"
+    copied = TensorShim.from_numpy(np.zeros((2, 3), dtype=np.float64))  # not lent: torch answers
+    assert copied.lent is None and copied.shape == (2, 3) and copied.to("cpu").tensor.dtype == torch.float64
+
+
 def test_a_row_shared_in_place_is_lent_as_the_batchs_own_row_and_known_by_its_key():
     """HostLogits.share: the row's first read is a writable view of the batch itself (no copy),
     from_numpy of it (or of another view of the whole row) wraps it as it is under the key
