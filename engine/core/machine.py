@@ -8,12 +8,13 @@ interface the step loop calls.
     each decoding step:
         next_forward(n)   the tokens it has not fed yet, at most n  (None: nothing to feed)
         on_forward(row, output)   a fed row's output; chunks of one feed are joined here
-        step()            ForwardPass ─► actions; the row to sample from (None: nothing samples)
+        forward_calls()   ForwardPass; the calls its mods get (made by the loop, one round for all)
+        after_forward()   their actions; the row to sample from (None: nothing samples)
         on_sample(sample) Sampled ─► actions ─► add ─► Added ─► actions ─► stop checks
 
 The loop only admits, schedules, batches, isolates faults and retires; it reads no request field,
-only :attr:`RequestMachine.finished`, :attr:`decoding`, :attr:`ready`, :attr:`prefilled_due` and
-:attr:`pending_tokens`.
+only :attr:`RequestMachine.finished`, :attr:`decoding`, :attr:`ready`, :attr:`prefilled_due`,
+:attr:`adds_without_sample` and :attr:`pending_tokens`.
 
 A feed split over several forwards (a long prompt under the step's token budget) is invisible
 above this class: its chunks' internals are joined into the one output an unsplit forward gives
@@ -53,7 +54,7 @@ from engine.model.capture import RowCapture
 from engine.model.tensor import ReleasedLogits
 from engine.model.sampling import SampleResult, SampleRow
 from mods.event_guard import forget_decisions
-from mods.manager import ModCall, ModManager
+from mods.manager import ModCall, ModManager, PendingCall
 from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
 __all__ = ["RequestMachine", "Unsettled"]
@@ -100,6 +101,8 @@ class RequestMachine:
         self._host_row = -1  # this request's row in it
         self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
         self._calls: LoopCalls | None = None  # the loop's runner (start): the loop drives its Prefilled
+        self._forward_index = -1  # the payload index of the step's ForwardPass (forward_calls)
+        self._unsampled: StepPlan | None = None  # a step that adds tokens without a sample (after_forward)
         self.prefilled_due = False  # its prompt is in; the loop dispatches Prefilled with the step's others
 
     @property
@@ -280,12 +283,12 @@ class RequestMachine:
 
     # ------------------------------------------------------------------------------ the step
 
-    def step(self) -> Phase[SampleRow | Unsettled | None]:
-        """ForwardPass and its actions. Returns the row to sample when this step samples (or,
-        when that row's logits are a mod's still to be checked, :class:`Unsettled`, for
-        :meth:`settle` just before the draw); else the step is already over (forced or
-        reinjected tokens added, or the request ended). A phase: it yields each event its mods
-        must see and is sent their calls (:func:`drive`)."""
+    def forward_calls(self) -> list[PendingCall]:
+        """The step's start: its ForwardPass made and recorded; the calls its mods are to get for it
+        (none: :meth:`after_forward` goes on at once). The loop makes every request's calls in one
+        round and hands each machine its own back; no phase (a generator) runs for this, as a
+        phase costs a request two generators and a driver's turn a step (0.15 ms at 64
+        concurrent requests with a logits mod)."""
         state = self.state
         state.force_accepted = False
         state.step_committed = []
@@ -293,26 +296,52 @@ class RequestMachine:
             # its mods read the logits last step: start the copy of the step's rows for mods now
             # (every row is in by now), to run while the step's events are built
             self._host.copy_ahead()
-        plan = self.actions.apply_forward_pass_actions((yield from self._dispatch(self._forward_event())))
+        event = self._forward_event()
+        if self._mod_free:  # no mod to call: the event is only recorded (held, when announcements are)
+            self._announce(self._record, (event,))
+            return []
+        self._forward_index = self._record(event)
+        return state.manager.calls_for(event)
+
+    def after_forward(self, made: Sequence[PendingCall]) -> SampleRow | Unsettled | None:
+        """ForwardPass's actions, from ``made`` (:meth:`forward_calls`' calls, made). Returns the
+        row to sample when this step samples (or, when that row's logits are a mod's still to be
+        checked, :class:`Unsettled`, for :meth:`settle` just before the draw); else None: the
+        request ended, or the step adds forced or reinjected tokens instead
+        (:attr:`adds_without_sample`, then :meth:`add_without_sample`)."""
+        state = self.state
+        calls = state.manager.records(made, keep_silent=False) if made else []
+        plan = self.actions.apply_forward_pass_actions(self._items(self._forward_index, calls))
         if state.finish is not None:
             return None
         if plan.unchecked is not None:  # the row a mod handed back is checked just before the draw
             return Unsettled(plan)
         if not plan.backtracked and not state.forced_queue:
             return self._sample_row(plan)
-        yield from self._add_step_tokens(plan, None)
-        self._end_step()
+        self._unsampled = plan
         return None
 
+    @property
+    def adds_without_sample(self) -> bool:
+        """This step samples nothing: it adds tokens its mods forced or reinjected
+        (:meth:`add_without_sample`)."""
+        return self._unsampled is not None
+
+    def add_without_sample(self) -> Phase[None]:
+        """The step's forced or reinjected tokens added (Added dispatched), and the step ended."""
+        plan, self._unsampled = self._unsampled, None
+        yield from self._add_step_tokens(plan, None)  # type: ignore[arg-type]
+        self._end_step()
+
     def settle(self, unsettled: Unsettled) -> SampleRow | None:
-        """The row to draw from for a step :meth:`step` left :class:`Unsettled`: its mod's logits
+        """The row to draw from for a step :meth:`after_forward` left :class:`Unsettled`: its mod's logits
         checked now (the search ran meanwhile); None when they are unusable (the request ended,
         as it would have in the phase)."""
         plan = unsettled.plan
         return self._sample_row(plan) if self.actions.settle(plan) else None
 
     def fast_step(self, now: float) -> SampleRow:
-        """:meth:`step` of a request nobody watches step by step (:attr:`fast`): no mod can act,
+        """:meth:`forward_calls` and :meth:`after_forward` of a request nobody watches step by step (:attr:`fast`): no mod can act,
         so the step samples; the ForwardPass is a trace entry (made an event by :meth:`materialize`)."""
         state = self.state
         state.step_committed = []
@@ -444,7 +473,8 @@ class RequestMachine:
     def on_sample(self, sample: SampleResult | None) -> Phase[bool]:
         """Sampled and its actions, the step's tokens added and announced, stop checks. ``None``:
         sampling failed (the loop failed the request). Returns True when the announcements are
-        held for :meth:`flush`. A phase, as :meth:`step`."""
+        held for :meth:`flush`. A phase: it yields each event its mods must see and is sent their
+        calls (:func:`~engine.core.phases.drive`)."""
         state = self.state
         if sample is None or state.finish is not None:
             self._end_step()
@@ -664,7 +694,7 @@ class RequestMachine:
 
 
 class Unsettled:
-    """What :meth:`RequestMachine.step` returns when its step samples from logits a mod handed
+    """What :meth:`RequestMachine.after_forward` returns when its step samples from logits a mod handed
     back whose check is left to :meth:`RequestMachine.settle`, called just before the step's draw."""
 
     __slots__ = ("plan",)

@@ -6,7 +6,8 @@
     step:  scheduler.schedule()   which requests feed which tokens, over which KV blocks
            → runner.execute()     one batched forward (a fault is traced to its row)
            → scheduler.update()   KV and prefix index recorded; each request takes its row
-           → each ready request's step(): ForwardPass → its mods → what to sample
+           → each ready request's forward_calls(): ForwardPass, its mods' calls (one round for all)
+             → after_forward(): their actions, what to sample
              (a row of logits a mod handed back is checked once every phase is applied: settle())
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
              (the mods of every request see a phase's events together, a round at a time, their
@@ -44,7 +45,7 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 from engine.core.jobs import Job, JobHandle
 from engine.core.kv_manager import KVManager
 from engine.core.loop_calls import LoopAbandoned, LoopCalls
-from engine.core.machine import Unsettled
+from engine.core.machine import RequestMachine, Unsettled
 from engine.core.phases import Round, drive, run_guarded
 from engine.core.scheduler import Entry, LoopStats, Scheduler, SchedulerOutput
 from engine.errors import EngineClosedError, QueueFullError
@@ -375,7 +376,7 @@ class StepLoop:
         fast = [e for e in ready if e.machine.fast]  # nobody watches them step by step
         watched = [e for e in ready if not e.machine.fast]
         rows = [run_guarded(e.machine, e.machine.fast_step, now) for e in fast]
-        rows += yield from drive([(e.machine, e.machine.step()) for e in watched])
+        rows += yield from self._forward_pass([e.machine for e in watched])
         # a row whose mod handed its logits back is checked now, every phase applied
         rows = [run_guarded(e.machine, e.machine.settle, row) if type(row) is Unsettled else row
                 for e, row in zip(fast + watched, rows)]
@@ -400,6 +401,22 @@ class StepLoop:
         self._retire()
 
     # --------------------------------------------------------------------------- step parts
+
+    def _forward_pass(self, machines: list[RequestMachine]) -> Generator[Round, None, list[Any]]:
+        """The ForwardPass of every watched request: each makes and records its event, their mods'
+        calls go out in one round, and each applies what its own did; the rows to sample (None for
+        a request that samples nothing this step: it ended, or it adds forced or reinjected tokens,
+        driven as a phase here)."""
+        pending = [run_guarded(m, m.forward_calls) for m in machines]
+        round_ = [(m.manager, calls) for m, calls in zip(machines, pending) if calls]
+        if round_:
+            yield round_
+        rows = [run_guarded(m, m.after_forward, calls) if calls is not None else None
+                for m, calls in zip(machines, pending)]
+        adding = [m for m, row in zip(machines, rows) if row is None and m.adds_without_sample]
+        if adding:
+            yield from drive([(m, m.add_without_sample()) for m in adding])
+        return rows
 
     def _forward(self, output: SchedulerOutput) -> None:
         """One forward for every row the scheduler planned; each request takes its row."""
