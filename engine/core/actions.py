@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -58,7 +58,7 @@ class SteerSource(Protocol):
     def delta(self, steers: dict[int, float]) -> Any: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One mod call of a phase and its position in the payload's mod_calls (when recorded)."""
 
@@ -66,15 +66,16 @@ class Call:
     index: int | None
 
 
-@dataclass
+@dataclass(slots=True)
 class StepPlan:
-    """What the ForwardPass/Sampled phase decided for the rest of the step."""
+    """What the ForwardPass/Sampled phase decided for the rest of the step (one a step per
+    request with mods: slotted, no default factory)."""
 
     logits: Any = None  # AdjustedLogits replacement (V,), torch, on device
     argmax: Any = None  # its argmax (an int, or 0-d on device), found by the validity check's one pass
     sampling: SamplingParams | None = None
     backtracked: bool = False
-    reinject: list[int] = field(default_factory=list)
+    reinject: list[int] | None = None  # a Backtrack's tokens to add instead of a sample
     # an AdjustedLogits of a lent row whose check waits for the step's draw (PhaseActions.settle)
     unchecked: tuple[Call, tuple[HostLogits, int]] | None = None
 
