@@ -296,12 +296,8 @@ class RequestMachine:
             # its mods read the logits last step: start the copy of the step's rows for mods now
             # (every row is in by now), to run while the step's events are built
             self._host.copy_ahead()
-        event = self._forward_event()
-        if self._mod_free:  # no mod to call: the event is only recorded (held, when announcements are)
-            self._announce(self._record, (event,))
-            return []
-        self._forward_index = self._record(event)
-        return state.manager.calls_for(event)
+        self._forward_index, pending = self._recorded_calls(self._forward_event())
+        return pending
 
     def after_forward(self, made: Sequence[PendingCall]) -> SampleRow | Unsettled | None:
         """ForwardPass's actions, from ``made`` (:meth:`forward_calls`' calls, made). Returns the
@@ -628,28 +624,28 @@ class RequestMachine:
         batch may hold other rows' top log-probs, and this row's slot in them is then arbitrary)."""
         return output.top_source if self._wants_top else None
 
+    def _recorded_calls(self, event: ModEvent) -> tuple[int, list[PendingCall]]:
+        """The event recorded: its payload index and the calls its mods are to get (none when every
+        mod's guard turns it away). A mod-free request's event is only recorded (held, when
+        announcements are): index -1, no calls."""
+        if self._mod_free:
+            self._announce(self._record, (event,))
+            return -1, []
+        return self._record(event), self.state.manager.calls_for(event)
+
     def _dispatch(self, event: ModEvent) -> Phase[list[Call]]:
         """The event is recorded, and the calls its mods are to get go to the driver (:func:`drive`,
         which runs the calls of every request of the step together) and come back made."""
-        if self._mod_free:  # no mod to call: the event is only recorded (held, when announcements are)
-            self._announce(self._record, (event,))
-            return []
-        index = self._record(event)
-        pending = self.state.manager.calls_for(event)
-        if not pending:  # every mod's guard turns this event away: no call, no round
+        index, pending = self._recorded_calls(event)
+        if not pending:  # no mod, or every mod's guard turns this event away: no call, no round
             return []
         calls = yield pending
         return self._items(index, calls)
 
     def _dispatch_now(self, event: ModEvent) -> list[Call]:
         """:meth:`_dispatch` on this thread, alone (a Prefilled no loop drives)."""
-        if self._mod_free:
-            self._announce(self._record, (event,))
-            return []
-        index = self._record(event)
-        manager = self.state.manager
-        pending = manager.calls_for(event)
-        return self._items(index, manager.run_traced(pending)) if pending else []
+        index, pending = self._recorded_calls(event)
+        return self._items(index, self.state.manager.run_traced(pending)) if pending else []
 
     def _items(self, index: int, calls: Sequence[ModCall]) -> list[Call]:
         """The calls to apply and record (a silent Noop has no record: nothing to do for it)."""

@@ -1,9 +1,11 @@
-"""A step's phases across its requests: each request's machine runs a phase (Prefilled, ForwardPass,
-Sampled, Added) as a generator that yields the calls its mods are to get for an event and is sent
-them back made; :func:`drive` runs the phases of every request of the step together, a round at a
-time: each round's calls go to whoever drives it in one batch (the step loop makes them on its own
-thread, :mod:`engine.core.loop_calls`). A fault in one request's part of a step ends that request
-alone (:func:`run_guarded`).
+"""A step's phases across its requests: each request's machine runs a phase (Prefilled, Sampled,
+Added, and the Added of a step that forces tokens instead of sampling) as a generator that yields
+the calls its mods are to get for an event and is sent them back made; :func:`drive` runs the
+phases of every request of the step together, a round at a time (the ForwardPass round needs no
+phase: the step loop gathers every request's calls and hands each its own back,
+:meth:`~engine.core.machine.RequestMachine.forward_calls`). Each round's calls go to whoever
+drives it in one batch (the step loop makes them on its own thread, :mod:`engine.core.loop_calls`).
+A fault in one request's part of a step ends that request alone (:func:`run_guarded`).
 """
 
 from __future__ import annotations
