@@ -96,8 +96,9 @@ _SDK_EVENTS = frozenset({Prefilled, ForwardPass, Sampled, Added})
 # (id(mod), event class) -> (the mod's reading in _READ that decided, the decision), since
 # forget_decisions; only for the SDK's own event classes (their instances' class is their type)
 _DECIDED: dict[tuple[int, type], tuple[tuple[Any, ...], bool]] = {}
-# (the mods, an event class) -> turns_away_all's answer, since forget_decisions or a mod's new reading
-_ALL_DECIDED: dict[tuple[tuple[Any, ...], type], bool] = {}
+# (the mods, an event class or a tuple of them) -> turns_away_all's answer, since forget_decisions
+# or a mod's new reading
+_ALL_DECIDED: dict[tuple[tuple[Any, ...], type | tuple[type, ...]], bool] = {}
 
 
 def _decide(mod: types.FunctionType, entry: tuple[Any, ...], event: Any) -> bool:
@@ -140,18 +141,20 @@ def turns_away_kind(mod: Callable[..., Any], kind: type) -> bool:
 _BARE: dict[type, Any] = {}  # event class -> its bare instance (the SDK's four classes: a handful of entries)
 
 
-def turns_away_all(mods: Sequence[Callable[..., Any]], kind: type) -> bool:
-    """:func:`turns_away_kind` for every mod of ``mods``. Every request has a list of its own, most
-    often of the same mods: the answer for a list of those mods is reused, as each mod's is, until
-    :func:`forget_decisions` (or until a mod is read afresh), so that a step of 64 requests asks
-    once, not 64 times (a request whose Sampled and Added nobody hears asks it of both)."""
+def turns_away_all(mods: Sequence[Callable[..., Any]], kind: type | tuple[type, ...]) -> bool:
+    """:func:`turns_away_kind` for every mod of ``mods`` and (a tuple) every class of ``kind``.
+    Every request has a list of its own, most often of the same mods: the answer for a list of
+    those mods is reused, as each mod's is, until :func:`forget_decisions` (or until a mod is read
+    afresh), so that a step of 64 requests asks once, not 64 times (a request whose Sampled and
+    Added nobody hears asks it of both at once)."""
     for m in mods:
         if type(m) is not types.FunctionType:  # (its hash or == could run its code) never turned away
             return False
-    key = (tuple(mods), kind)  # plain functions: hashed and compared by identity
+    key = (tuple(mods), kind)  # plain functions and classes: hashed and compared by identity
     decided = _ALL_DECIDED.get(key)
     if decided is None:
-        decided = _ALL_DECIDED[key] = all(turns_away_kind(m, kind) for m in mods)
+        kinds: tuple[type, ...] = kind if isinstance(kind, tuple) else (kind,)
+        decided = _ALL_DECIDED[key] = all(turns_away_kind(m, k) for k in kinds for m in mods)
     return decided
 
 

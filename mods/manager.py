@@ -451,8 +451,8 @@ class ModManager:
         kept = [m for m in mods if not turns_away(m, event)]
         return self.pending_calls(event, kept if len(kept) != len(mods) else None) if kept else []
 
-    def turns_away_all(self, kind: type[ModEvent]) -> bool:
-        """Whether every mod's guard turns every event of class ``kind`` away
+    def turns_away_all(self, kind: type[ModEvent] | tuple[type[ModEvent], ...]) -> bool:
+        """Whether every mod's guard turns every event of class ``kind`` (or of each class of it) away
         (:func:`mods.event_guard.turns_away_all`): :meth:`calls_for` would make no call for one,
         so the engine need not make the event while the step runs."""
         return turns_away_all(self.mods, kind)

@@ -104,11 +104,17 @@ class PhaseActions:
     def applied(self, item: Call, note: str | None = None, action: ModAction | None = None) -> None:
         action = action if action is not None else item.call.action
         state = self.state
+        if not isinstance(action, AdjustedLogits):
+            state.actions.append(action)
+            state.payload.action(item.index, action, applied=True, note=note)
+            return
+        # its shape, read once for its record and its released copy (a request-step each)
+        shape = getattr(action.logits, "shape", None)
+        dims = tuple(map(int, shape)) if shape is not None else None
         # an AdjustedLogits holds a row of the step's host copy, which keeps the whole copy alive
-        kept = action if state.request.keep_logits or not isinstance(action, AdjustedLogits) \
-            else released_logits(action, state.step)
-        state.actions.append(kept)
-        self.state.payload.action(item.index, action, applied=True, note=note)
+        state.actions.append(action if state.request.keep_logits
+                             else released_logits(action, state.step, dims if dims is not None else ()))
+        state.payload.action(item.index, action, applied=True, note=note, dims=dims)
 
     def ignored(self, item: Call, reason: str, action: ModAction | None = None) -> None:
         action = action if action is not None else item.call.action

@@ -420,11 +420,12 @@ class RequestMachine:
         events.extend(live)
         state.events[:] = events
 
-    def _unheard(self, kind: type[ModEvent]) -> bool:
-        """Nothing hears this request's ``kind`` events as they happen: no listener, and every
-        mod's guard turns them away (:meth:`ModManager.turns_away_all`). Such an event is
-        recorded from its facts and made when the request ends (:meth:`_record_later`): the
-        loop's thread skips making it and asking each mod about it."""
+    def _unheard(self, kind: type[ModEvent] | tuple[type[ModEvent], ...]) -> bool:
+        """Nothing hears this request's ``kind`` events (or those of each class of it) as they
+        happen: no listener, and every mod's guard turns them away
+        (:meth:`ModManager.turns_away_all`). Such an event is recorded from its facts and made
+        when the request ends (:meth:`_record_later`): the loop's thread skips making it and
+        asking each mod about it."""
         state = self.state
         return state.on_event is None and state.manager.turns_away_all(kind)
 
@@ -500,13 +501,18 @@ class RequestMachine:
         if state.finish is not None:
             self._end_step()
             return False
-        if state.forced_queue or not (self._unheard(Sampled) and self._unheard(Added)):
+        if state.forced_queue or not self._unheard(_SAMPLED_ADDED):
             return None
         hold = self._hold_announcements()
-        self._record_later(Sampled, sample.token)
-        tokens = self._join([sample.token], False, sample)
+        token, step, later = sample.token, state.step, self._later
+        place = len(state.events) + len(later)
+        state.payload.sampled(step, token)  # (_record_later's, written out: a request-step each)
+        later.append((place, Sampled, (step, token)))
+        tokens = self._join([token], False, sample)
         if state.finish is None:  # (a sample the grammar refused ended the request)
-            self._record_later(Added, tokens, False)
+            tokens = list(tokens)  # its own list: the stream was handed the step's
+            state.payload.added(step, tokens, False)
+            later.append((place + 1, Added, (step, tokens, False)))
         return self._end_sampled_step(hold)
 
     def _hold_announcements(self) -> bool:
@@ -702,4 +708,5 @@ class Unsettled:
         self.plan = plan
 
 
+_SAMPLED_ADDED = (Sampled, Added)
 _NO_ACTIONS = StepPlan()  # a step no mod acted on (never changed: read only)

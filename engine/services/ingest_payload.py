@@ -371,9 +371,11 @@ class PayloadBuilder:
                                        "log_message": marker, "log_level": "WARNING",
                                        "created_at": datetime.now(timezone.utc).timestamp()})
 
-    def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None) -> None:
+    def action(self, call_index: int | None, action: ModAction, *, applied: bool, note: str | None = None,
+               dims: tuple[int, ...] | None = None) -> None:
         """Record what became of the action of recorded call ``call_index``: its facts are read now
-        (a mod may change the object later), the record is made at build."""
+        (a mod may change the object later), the record is made at build. ``dims``: an
+        ``AdjustedLogits``' logits' shape as ints, when the caller read it already."""
         if call_index is None:
             return
         at = time.time()  # what datetime.now(utc).timestamp() reads, at a tenth of the cost
@@ -381,8 +383,9 @@ class PayloadBuilder:
         if note:
             details["note"] = note
         if isinstance(action, AdjustedLogits):  # one per step of a logits mod: the record is made at build
-            shape = getattr(action.logits, "shape", None)
-            dims = tuple(map(int, shape)) if shape is not None else None
+            if dims is None:
+                shape = getattr(action.logits, "shape", None)
+                dims = tuple(map(int, shape)) if shape is not None else None
             temp = None if action.token_temp is None else finite(float(action.token_temp))
             self._log.append((_ADJUSTED, call_index, details, at, dims, temp))
             return

@@ -288,6 +288,10 @@ def test_a_list_of_mods_is_decided_once_like_each_mod_and_afresh_when_a_mod_is_r
     forget_decisions()
     assert turns_away_all(lists[1], Sampled) is False
     assert turns_away_all(lists[0], Added) is True
+    # several classes at once: turned away only when each of them is (a step's Sampled and Added)
+    assert turns_away_all(lists[0], (Added, Prefilled)) is True
+    assert turns_away_all(lists[0], (Added, Sampled)) is False
+    assert turns_away_all(lists[0], (Sampled, Added)) is False
 
     def hears_all(event, tokenizer):
         LOG.append("hears_all")
