@@ -76,8 +76,7 @@ class StepPlan:
     sampling: SamplingParams | None = None
     backtracked: bool = False
     reinject: list[int] | None = None  # a Backtrack's tokens to add instead of a sample
-    # an AdjustedLogits of a lent row whose check waits until the phase's actions are applied
-    # (PhaseActions.settle)
+    # an AdjustedLogits of a lent row whose check waits for the step's draw (PhaseActions.settle)
     unchecked: tuple[Call, tuple[HostLogits, int]] | None = None
 
 
@@ -215,7 +214,7 @@ class PhaseActions:
     def adjust_logits(self, item: Call, action: AdjustedLogits, plan: StepPlan, *, last: bool = False) -> None:
         """A mod's replacement logits for this step's draw, checked first. ``last``: no action of
         the phase follows; then the check of a lent row (the usual edit-and-return) is left to
-        :meth:`settle`, once the phase's actions are applied."""
+        :meth:`settle`, just before the draw."""
         vocab = self.vocab_size
         # the only value checked before the logits is token_temp: None, 0 (greedy) or finite > 0
         if action.token_temp is not None and not self.valid(item):
@@ -243,9 +242,9 @@ class PhaseActions:
         plan.logits = logits
         plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
         if lent is not None and last and not self.state.forced_queue:
-            # checked by settle() once the phase's actions are applied, every row handed back
-            # searched in one pass at the step's first check; recorded as applied now, the usual
-            # outcome (taken back there if the check fails)
+            # checked by settle(), once every request's phase is applied; recorded as applied now,
+            # the usual outcome (taken back there if the check fails), so that the recording too
+            # runs while the rows are searched
             plan.unchecked = (item, lent)
             self.applied(item)
             return
@@ -263,12 +262,11 @@ class PhaseActions:
         self.applied(item)
 
     def settle(self, plan: StepPlan) -> bool:
-        """The check :meth:`adjust_logits` left until the phase's actions were applied: the maximum
-        of the row a mod handed back is finite, and its first index is the greedy choice (the first
-        such check of a step searches every row handed back in one pass,
-        :meth:`HostLogits.row_max`: the round's calls have all returned, so no row changes after
-        it). False when it is not: the action's record as applied is taken back and the request
-        ends, as a check made at once would have ended it."""
+        """The check :meth:`adjust_logits` left to the step's draw: the maximum of the row a mod
+        handed back is finite, and its first index is the greedy choice (the first such check of a
+        step searches every row handed back in one pass, :meth:`HostLogits.row_max`). False when it
+        is not: the action's record as applied is taken back and the request ends, as a check in
+        the phase would have ended it."""
         item, lent = plan.unchecked  # type: ignore[misc]
         plan.unchecked = None
         best, where = lent[0].row_max(lent[1])

@@ -57,7 +57,7 @@ from mods.event_guard import forget_decisions
 from mods.manager import ModCall, ModManager, PendingCall
 from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
-__all__ = ["RequestMachine"]
+__all__ = ["RequestMachine", "Unsettled"]
 
 
 class RequestMachine:
@@ -299,18 +299,19 @@ class RequestMachine:
         self._forward_index, pending = self._recorded_calls(self._forward_event())
         return pending
 
-    def after_forward(self, made: Sequence[PendingCall]) -> SampleRow | None:
+    def after_forward(self, made: Sequence[PendingCall]) -> SampleRow | Unsettled | None:
         """ForwardPass's actions, from ``made`` (:meth:`forward_calls`' calls, made). Returns the
-        row to sample when this step samples; else None: the request ended (a row its mod handed
-        back is unusable, too), or the step adds forced or reinjected tokens instead
+        row to sample when this step samples (or, when that row's logits are a mod's still to be
+        checked, :class:`Unsettled`, for :meth:`settle` just before the draw); else None: the
+        request ended, or the step adds forced or reinjected tokens instead
         (:attr:`adds_without_sample`, then :meth:`add_without_sample`)."""
         state = self.state
         calls = state.manager.records(made, keep_silent=False) if made else []
         plan = self.actions.apply_forward_pass_actions(self._items(self._forward_index, calls))
         if state.finish is not None:
             return None
-        if plan.unchecked is not None:  # the row its mod handed back, checked once its actions are applied
-            return self._sample_row(plan) if self.actions.settle(plan) else None
+        if plan.unchecked is not None:  # the row a mod handed back is checked just before the draw
+            return Unsettled(plan)
         if not plan.backtracked and not state.forced_queue:
             return self._sample_row(plan)
         self._unsampled = plan
@@ -328,6 +329,13 @@ class RequestMachine:
         assert plan is not None  # internal invariant: called only when adds_without_sample
         yield from self._add_step_tokens(plan, None)
         self._end_step()
+
+    def settle(self, unsettled: Unsettled) -> SampleRow | None:
+        """The row to draw from for a step :meth:`after_forward` left :class:`Unsettled`: its mod's
+        logits checked now (the search ran meanwhile); None when they are unusable (the request
+        ended, as it would have in the phase)."""
+        plan = unsettled.plan
+        return self._sample_row(plan) if self.actions.settle(plan) else None
 
     def fast_step(self, now: float) -> SampleRow:
         """:meth:`forward_calls` and :meth:`after_forward` of a request nobody watches step by step
@@ -687,6 +695,17 @@ class RequestMachine:
                           host: Any = None, logits: Any = None) -> ForwardPass:
         return forward_event(self.state.request_id, step, output, self.state.event_layer, input_ids,
                              self._newest_features(encoded), host, logits)
+
+
+class Unsettled:
+    """What :meth:`RequestMachine.after_forward` returns when its step samples from logits a mod
+    handed back whose check is left to :meth:`RequestMachine.settle`, called just before the
+    step's draw."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
 
 
 _SAMPLED_ADDED = (Sampled, Added)

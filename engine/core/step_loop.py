@@ -7,9 +7,8 @@
            → runner.execute()     one batched forward (a fault is traced to its row)
            → scheduler.update()   KV and prefix index recorded; each request takes its row
            → each ready request's forward_calls(): ForwardPass, its mods' calls (one round for all)
-             → after_forward(): their actions, what to sample (a row of logits a mod handed back
-             is checked once its actions are applied; the step's first such check searches every
-             row handed back in one pass)
+             → after_forward(): their actions, what to sample
+             (a row of logits a mod handed back is checked once every phase is applied: settle())
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
              (the mods of every request see a phase's events together, a round at a time, their
              calls made on this thread; a request whose Sampled and Added nobody hears ends its
@@ -46,7 +45,7 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 from engine.core.jobs import Job, JobHandle
 from engine.core.kv_manager import KVManager
 from engine.core.loop_calls import LoopAbandoned, LoopCalls
-from engine.core.machine import RequestMachine
+from engine.core.machine import RequestMachine, Unsettled
 from engine.core.phases import Round, drive, run_guarded
 from engine.core.scheduler import Entry, LoopStats, Scheduler, SchedulerOutput
 from engine.errors import EngineClosedError, QueueFullError
@@ -378,6 +377,9 @@ class StepLoop:
         watched = [e for e in ready if not e.machine.fast]
         rows = [run_guarded(e.machine, e.machine.fast_step, now) for e in fast]
         rows += yield from self._forward_pass([e.machine for e in watched])
+        # a row whose mod handed its logits back is checked now, every phase applied
+        rows = [run_guarded(e.machine, e.machine.settle, row) if type(row) is Unsettled else row
+                for e, row in zip(fast + watched, rows)]
         sampling = [(e, row) for e, row in zip(fast + watched, rows) if row is not None and not e.machine.finished]
         samples = self._sample(sampling)
         self._sampled_at = time.perf_counter() if sampling else None

@@ -113,9 +113,8 @@ def test_a_recorded_logits_action_does_not_keep_the_steps_host_copy_alive():
 
 def test_an_adjusted_logits_recorded_as_applied_ahead_of_its_check_is_taken_back_and_only_that():
     """The engine records the usual logits mod's action as applied before the check of its row,
-    which is settled once the phase's actions are applied; a failed check takes that record back
-    (its record as not applied follows). Only the newest record, and only that call's, can be
-    taken."""
+    which is settled just before the step's draw; a failed check takes that record back (its
+    record as not applied follows). Only the newest record, and only that call's, can be taken."""
     builder = _builder()
     index = builder.event(ForwardPass("r1", 0, None, input_ids=[40, 41]))
     adjusted = AdjustedLogits(np.zeros((1, 128), np.float32))

@@ -1,8 +1,8 @@
 """The rows of a step's logits that mods hand back (``AdjustedLogits`` of the row they were lent) are
-checked (finite, and their greedy choice found) once their phase's actions are applied, every row
-of the step in one search on the step loop's thread, at the step's first such check. Whether the
-check was made at once or left until the actions were applied changes nothing a mod or a result
-can see: outputs, events, payloads and the fault a non-finite row is."""
+checked (finite, and their greedy choice found) just before the step's draw, every row of the step
+in one search on the step loop's thread. Whether the check was settled in the phase or before the
+draw changes nothing a mod or a result can see: outputs, events, payloads and the fault a
+non-finite row is."""
 
 from __future__ import annotations
 
@@ -72,31 +72,31 @@ def searches(monkeypatch) -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("keep_logits", [False, True], ids=["lent in place", "copied"])
 @pytest.mark.parametrize("poison", [None, 1], ids=["every row usable", "one request's row all -inf"])
-def test_rows_handed_back_are_checked_after_their_actions_in_one_search_with_the_results_of_a_check_at_once(
+def test_rows_handed_back_are_checked_at_the_draw_in_one_search_with_the_results_of_a_check_in_the_phase(
         keep_logits, poison, searches, monkeypatch):
     settled: list[int] = []
     real_settle = PhaseActions.settle
     monkeypatch.setattr(PhaseActions, "settle", lambda self, plan: settled.append(1) or real_settle(self, plan))
-    left = _run(_ban_best(poison), keep_logits=keep_logits)
+    at_draw = _run(_ban_best(poison), keep_logits=keep_logits)
     # the loop's thread searched each step's four rows handed back at once; once the poisoned
     # request has failed, three
     assert {n for _, n in searches} == ({4} if poison is None else {4, 3}), searches
     assert all(name == "raylens-step-loop" for name, _ in searches), searches
-    assert len(settled) == sum(n for _, n in searches)  # each row handed back was checked after its actions
+    assert len(settled) == sum(n for _, n in searches)  # each row handed back was checked at the draw
 
     real_adjust = PhaseActions.adjust_logits
     monkeypatch.setattr(PhaseActions, "adjust_logits",  # every check made in the phase, at once
                         lambda self, item, action, plan, *, last=False: real_adjust(self, item, action, plan))
     settled.clear()
-    at_once = _run(_ban_best(poison), keep_logits=keep_logits)
+    in_phase = _run(_ban_best(poison), keep_logits=keep_logits)
     assert not settled
 
-    assert left[0].output_text != "hello world"  # the bans took effect
+    assert at_draw[0].output_text != "hello world"  # the bans took effect
     if poison is not None:
-        assert sorted(r.finish_reason.value for r in left).count("error") == 1
-        failed = next(r for r in left if r.finish_reason.value == "error")
+        assert sorted(r.finish_reason.value for r in at_draw).count("error") == 1
+        failed = next(r for r in at_draw if r.finish_reason.value == "error")
         assert "must be finite" in failed.error
-    for a, b in zip(sorted(left, key=lambda r: r.error or ""), sorted(at_once, key=lambda r: r.error or "")):
+    for a, b in zip(sorted(at_draw, key=lambda r: r.error or ""), sorted(in_phase, key=lambda r: r.error or "")):
         _same(a, b)
 
 
@@ -114,11 +114,10 @@ def _force_at_prefill(event, tokenizer=None):  # a plain mod: its ForceTokens at
 
 @pytest.mark.parametrize("other", [_backtrack_at_step_3, _force_at_prefill],
                          ids=["an action after it in the phase", "forced tokens queued"])
-def test_a_row_handed_back_is_checked_at_once_when_the_step_may_not_draw(other, monkeypatch):
-    """The check is left until the phase's actions are applied only when the AdjustedLogits is the
-    phase's last action and no forced tokens are queued: otherwise the step may end without a draw
-    (a Backtrack after it, the queued tokens committed), and the row is checked at once, as a
-    copy's is."""
+def test_a_row_handed_back_is_checked_in_the_phase_when_the_step_may_not_draw(other, monkeypatch):
+    """The check is left to the draw only when the AdjustedLogits is the phase's last action and
+    no forced tokens are queued: otherwise the step may end without a draw (a Backtrack after it,
+    the queued tokens committed), and the row is checked in the phase, as a copy's is."""
     settled: list[int] = []
     real_settle = PhaseActions.settle
     monkeypatch.setattr(PhaseActions, "settle", lambda self, plan: settled.append(1) or real_settle(self, plan))
@@ -139,4 +138,4 @@ def test_a_row_handed_back_is_checked_at_once_when_the_step_may_not_draw(other, 
     assert {"AdjustedLogits", "Backtrack" if other is _backtrack_at_step_3 else "ForceTokens"} <= actions
     if other is _force_at_prefill:
         assert lent[0].output_text.startswith("ab")
-    assert settled, "the other steps' checks are left until their actions are applied"
+    assert settled, "the other steps' checks are settled at the draw"
