@@ -504,15 +504,10 @@ class RequestMachine:
         if state.forced_queue or not self._unheard(_SAMPLED_ADDED):
             return None
         hold = self._hold_announcements()
-        token, step, later = sample.token, state.step, self._later
-        place = len(state.events) + len(later)
-        state.payload.sampled(step, token)  # (_record_later's, written out: a request-step each)
-        later.append((place, Sampled, (step, token)))
-        tokens = self._join([token], False, sample)
+        self._record_later(Sampled, sample.token)
+        tokens = self._join([sample.token], False, sample)
         if state.finish is None:  # (a sample the grammar refused ended the request)
-            tokens = list(tokens)  # its own list: the stream was handed the step's
-            state.payload.added(step, tokens, False)
-            later.append((place + 1, Added, (step, tokens, False)))
+            self._record_later(Added, tokens, False)
         return self._end_sampled_step(hold)
 
     def _hold_announcements(self) -> bool:
