@@ -24,7 +24,7 @@ from engine.core.events import released_logits
 from engine.core.request import RequestState
 from engine.core.result import FinishReason, IgnoredAction
 from engine.model.sampling import SamplingParams
-from engine.model.tensor import HostLogits, TensorShim, as_torch
+from engine.model.tensor import HostLogits, TensorShim, as_torch, logits_dims
 from mods.manager import ModCall
 from mods.tensor import MaskedLogits
 from mods.validation import ALLOWED_ACTIONS, InvalidActionError, check_action_values, check_steer, check_token_ids
@@ -108,9 +108,7 @@ class PhaseActions:
             state.actions.append(action)
             state.payload.action(item.index, action, applied=True, note=note)
             return
-        # its shape, read once for its record and its released copy (a request-step each)
-        shape = getattr(action.logits, "shape", None)
-        dims = tuple(map(int, shape)) if shape is not None else None
+        dims = logits_dims(action.logits)  # read once, for its record and its released copy
         # an AdjustedLogits holds a row of the step's host copy, which keeps the whole copy alive
         state.actions.append(action if state.request.keep_logits
                              else released_logits(action, state.step, dims if dims is not None else ()))

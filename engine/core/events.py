@@ -12,7 +12,7 @@ import torch
 
 from engine.model.backend import RowOutput
 from engine.model.capture import RowCapture
-from engine.model.tensor import ReleasedLogits, TensorShim
+from engine.model.tensor import ReleasedLogits, TensorShim, logits_dims
 from mods.types import ContextInfo, ForwardPass, Prefilled, SAEFeatures
 
 __all__ = ["prefilled_event", "forward_event", "released_logits", "attention_rows", "all_features", "newest_row",
@@ -69,8 +69,7 @@ def released_logits(event: Any, step: int | None = None, shape: tuple[int, ...] 
     except (TypeError, AttributeError):  # an action class without a __dict__
         kept = copy.copy(event)
     if shape is None:
-        raw = getattr(event.logits, "shape", None)
-        shape = tuple(map(int, raw)) if raw is not None else ()
+        shape = logits_dims(event.logits) or ()
     kept.logits = ReleasedLogits(shape, step if step is not None else event.step)
     return kept
 

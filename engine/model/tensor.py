@@ -40,7 +40,7 @@ import torch
 
 from .vocab_search import array_row_max
 
-__all__ = ["TensorShim", "HostLogits", "ReleasedLogits", "as_torch"]
+__all__ = ["TensorShim", "HostLogits", "ReleasedLogits", "as_torch", "logits_dims"]
 
 # the host copies HostLogits lent out, by the copy's id: from_numpy wraps a view of one without a
 # copy, and an AdjustedLogits made of one is checked with the step's other rows in one pass
@@ -527,6 +527,14 @@ class TensorShim:
 
     def __repr__(self) -> str:
         return f"TensorShim(shape={self.shape}, dtype={self._tensor.dtype}, device={self._tensor.device})"
+
+
+def logits_dims(logits: Any) -> tuple[int, ...] | None:
+    """The shape of a mod's logits object as Python ints (what a payload records and a released
+    copy keeps), None for an object with no shape. Read once per applied ``AdjustedLogits``: a
+    torch shape costs a microsecond or two a read, and a logits mod applies one every step."""
+    shape = getattr(logits, "shape", None)
+    return tuple(map(int, shape)) if shape is not None else None
 
 
 def as_torch(value: Any, *, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from engine.config import IngestConfig
+from engine.model.tensor import logits_dims
 from engine.services.strict_json import dumps, finite
 from mods.capture import CapturedLog
 from mods.manager import ModCall, ModException
@@ -384,8 +385,7 @@ class PayloadBuilder:
             details["note"] = note
         if isinstance(action, AdjustedLogits):  # one per step of a logits mod: the record is made at build
             if dims is None:
-                shape = getattr(action.logits, "shape", None)
-                dims = tuple(map(int, shape)) if shape is not None else None
+                dims = logits_dims(action.logits)
             temp = None if action.token_temp is None else finite(float(action.token_temp))
             self._log.append((_ADJUSTED, call_index, details, at, dims, temp))
             return

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.model.sampling import SamplingParams, make_generator, sample
-from engine.model.tensor import TensorShim, as_torch
+from engine.model.tensor import TensorShim, as_torch, logits_dims
 from mods.tensor import NumpyTensor
 
 
@@ -46,6 +46,20 @@ def test_as_torch_accepts_every_tensor_kind_mods_hand_back():
     arr = np.arange(4, dtype=np.float32)
     for value in (arr, torch.from_numpy(arr), TensorShim.from_numpy(arr), NumpyTensor(arr)):
         assert torch.equal(as_torch(value, device=torch.device("cpu"), dtype=torch.float32), torch.from_numpy(arr))
+
+
+def test_logits_dims_reads_any_logits_objects_shape_as_python_ints():
+    """What a payload records and a released copy keeps of an AdjustedLogits' logits: plain ints
+    whatever shape object the logits answer with (torch.Size, numpy's tuple, a shim's), None for
+    an object with no shape."""
+    row = torch.zeros(1, 7)
+    for logits in (row, row.numpy(), TensorShim(row), TensorShim.row(torch.zeros(3, 7), 1), [0.0] * 7):
+        dims = logits_dims(logits)
+        if isinstance(logits, list):
+            assert dims is None
+            continue
+        assert type(dims) is tuple and dims == (1, 7) and all(type(d) is int for d in dims)
+    assert logits_dims(np.zeros(5, dtype=np.float32)[np.newaxis, :].astype(np.int64)) == (1, 5)
 
 
 def test_greedy_picks_the_argmax():
