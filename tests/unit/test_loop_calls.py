@@ -143,10 +143,9 @@ def test_a_call_due_before_the_watchdogs_next_look_wakes_it(release):
     loop = Loop()
     loop.start(quick).join(10)  # the watchdog looked while it ran: it sleeps until its deadline
     loop.done.clear()
-    started = time.monotonic()
     loop.start(short)
-    assert loop.done.wait(10)
-    assert time.monotonic() - started < 10 and len(loop.taken) == 1
+    assert loop.done.wait(10)  # abandoned at its own limit, not at the watchdog's next look, 600 s away
+    assert len(loop.taken) == 1
     loop.calls.close()
 
 

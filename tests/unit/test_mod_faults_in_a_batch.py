@@ -87,9 +87,10 @@ def test_the_loop_thread_stuck_in_a_mod_is_replaced_and_the_engine_goes_on_servi
         eng.close()
 
 
-def test_closing_the_engine_while_a_mod_is_stuck_waits_for_the_loop_thread_that_took_over():
-    """``close`` waits for the loop's thread; when that thread is stuck in a mod, the thread that
-    takes over at the limit ends the loop, and ``close`` returns then (not at its own bound)."""
+def test_closing_the_engine_while_a_mod_is_stuck_returns_once_its_request_ended_not_with_the_stuck_call():
+    """``close`` waits for this engine's requests; one whose mod is stuck ends when the thread that
+    takes over at the limit fails it, and ``close`` returns then, the stuck call still running
+    (waiting for that call would take until its mod gives up, 60 s here)."""
     release, entered = threading.Event(), threading.Event()
 
     def stuck(event, tokenizer=None):
@@ -102,10 +103,10 @@ def test_closing_the_engine_while_a_mod_is_stuck_waits_for_the_loop_thread_that_
     try:
         handle = eng.submit(input_ids=TOK.encode("Q:"), mods=[stuck])
         assert entered.wait(30)
-        started = time.monotonic()
+        stuck_thread = eng.loop._thread
         eng.close()
-        assert time.monotonic() - started < 30, "close waited for the stuck thread, not the loop"
-        result = handle.result(timeout=10)
+        assert stuck_thread.is_alive(), "close waited for the stuck call, not for its request"
+        result = handle.result(timeout=0)  # ended before close returned
         assert result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)
     finally:
         release.set()
