@@ -108,6 +108,11 @@ def test_closing_the_engine_while_a_mod_is_stuck_returns_once_its_request_ended_
         assert stuck_thread.is_alive(), "close waited for the stuck call, not for its request"
         result = handle.result(timeout=0)  # ended before close returned
         assert result.finish_reason in (FinishReason.ERROR, FinishReason.CANCELLED)
+        # closing the loop itself (what an engine that owns its backend does) ends the loop thread
+        # that took over; the stuck one runs on until its mod returns
+        eng.loop.close()
+        took_over = eng.loop._thread
+        assert took_over is not stuck_thread and not took_over.is_alive() and stuck_thread.is_alive()
     finally:
         release.set()
 
