@@ -92,9 +92,11 @@ def test_closing_the_engine_while_a_mod_is_stuck_returns_once_its_request_ended_
     takes over at the limit fails it, and ``close`` returns then, the stuck call still running
     (waiting for that call would take until its mod gives up, 60 s here)."""
     release, entered = threading.Event(), threading.Event()
+    stuck_in: list[threading.Thread] = []
 
     def stuck(event, tokenizer=None):
         if isinstance(event, ForwardPass) and event.step == 1:
+            stuck_in.append(threading.current_thread())
             entered.set()
             release.wait(60)
         return None
@@ -103,7 +105,7 @@ def test_closing_the_engine_while_a_mod_is_stuck_returns_once_its_request_ended_
     try:
         handle = eng.submit(input_ids=TOK.encode("Q:"), mods=[stuck])
         assert entered.wait(30)
-        stuck_thread = eng.loop._thread
+        stuck_thread = stuck_in[0]
         eng.close()
         assert stuck_thread.is_alive(), "close waited for the stuck call, not for its request"
         result = handle.result(timeout=0)  # ended before close returned
