@@ -54,9 +54,11 @@ def test_the_loop_thread_stuck_in_a_mod_is_replaced_and_the_engine_goes_on_servi
     from mods.manager import abandoned_mod_threads
 
     release = threading.Event()
+    stuck_on: list[tuple[threading.Thread, threading.Thread | None]] = []  # (the call's thread, the loop's)
 
     def stuck(event, tokenizer=None):
         if isinstance(event, ForwardPass) and event.step == 2:
+            stuck_on.append((threading.current_thread(), eng.loop._thread))
             if stuck_in == "native code":
                 release.wait(30)
             else:
@@ -70,8 +72,9 @@ def test_the_loop_thread_stuck_in_a_mod_is_replaced_and_the_engine_goes_on_servi
         with eng.loop.admission_held():
             bad = eng.submit(input_ids=TOK.encode("Q:"), mods=[stuck])
             good = eng.submit(input_ids=TOK.encode("Q:"), mods=[lambda e, t=None: None])
-        first_loop = eng.loop._thread
         bad_result, good_result = bad.result(timeout=60), good.result(timeout=60)
+        [(first_loop, loop_then)] = stuck_on
+        assert first_loop is loop_then  # mods run on the loop's own thread: that thread is stuck
         assert bad_result.finish_reason is FinishReason.ERROR and "did not return within 0.5" in bad_result.error
         assert good_result.finish_reason is FinishReason.STOP and good_result.output_text == "hello world"
         assert eng.loop._thread is not first_loop and abandoned_mod_threads() == [first_loop]
