@@ -240,9 +240,8 @@ class PhaseActions:
         plan.logits = logits
         plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
         if lent is not None and last and not self.state.forced_queue:
-            # checked by settle(), once every request's phase is applied; recorded as applied now,
-            # the usual outcome (taken back there if the check fails), so that the recording too
-            # runs while the rows are searched
+            # checked by settle(), once every request's ForwardPass actions are applied; recorded
+            # as applied now, the usual outcome (taken back there if the check fails)
             plan.unchecked = (item, lent)
             self.applied(item)
             return

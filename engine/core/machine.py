@@ -332,8 +332,8 @@ class RequestMachine:
 
     def settle(self, unsettled: Unsettled) -> SampleRow | None:
         """The row to draw from for a step :meth:`after_forward` left :class:`Unsettled`: its mod's
-        logits checked now (the search ran meanwhile); None when they are unusable (the request
-        ended, as it would have in the phase)."""
+        logits checked now (the step's first such check searches every row handed back in one
+        pass); None when they are unusable (the request ended, as it would have in the phase)."""
         plan = unsettled.plan
         return self._sample_row(plan) if self.actions.settle(plan) else None
 

@@ -8,7 +8,8 @@
            → scheduler.update()   KV and prefix index recorded; each request takes its row
            → each ready request's forward_calls(): ForwardPass, its mods' calls (one round for all)
              → after_forward(): their actions, what to sample
-             (a row of logits a mod handed back is checked once every phase is applied: settle())
+             (a row of logits a mod handed back is checked once every request's ForwardPass
+             actions are applied, just before the draw: settle())
            → one batched sample (one host read) → each one's on_sample(): Sampled → add → Added
              (the mods of every request see a phase's events together, a round at a time, their
              calls made on this thread; a request whose Sampled and Added nobody hears ends its
