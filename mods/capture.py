@@ -22,7 +22,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterator, TextIO
 
-__all__ = ["CapturedLog", "CaptureBuffer", "capture_mod_output"]
+__all__ = ["CapturedLog", "CaptureBuffer", "capture_mod_output", "ensure_capture_installed"]
 
 _LEVELS = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARNING"}
 
@@ -155,8 +155,11 @@ _install_lock = threading.Lock()
 _log_router = _LogRouter(level=logging.NOTSET)
 
 
-def _ensure_installed() -> None:
-    # checked before every mod call, so the quick test reads the root logger's handlers directly
+def ensure_capture_installed() -> None:
+    """Install the stdout router and the log handler if someone replaced or removed them. Checked
+    before every mod call, or once before a round of calls (a mod that swaps ``sys.stdout`` for
+    good sends the rest of its round's prints to its own stream; the next round takes them
+    back), so the quick test reads the root logger's handlers directly."""
     if isinstance(sys.stdout, _StdoutRouter) and _log_router in logging.root.handlers:
         return
     with _install_lock:
@@ -170,7 +173,7 @@ def _ensure_installed() -> None:
 @contextlib.contextmanager
 def capture_mod_output() -> Iterator[CaptureBuffer]:
     """Route prints and log records of the current context into a fresh buffer."""
-    _ensure_installed()
+    ensure_capture_installed()
     buffer = CaptureBuffer()
     token = _active.set(buffer)
     try:

@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Callable, Sequence
 
+from mods.capture import ensure_capture_installed
+from mods.event_guard import forget_decisions
 from mods.manager import ABANDONED_THREAD_NAME, PendingCall, stack_of
 
 __all__ = ["LoopCalls", "LoopAbandoned", "TakeOver"]
@@ -73,22 +75,28 @@ class LoopCalls:
         context = contextvars.copy_context()
         me = threading.current_thread()
         lock = self._lock
-        for k in range(start, len(calls)):
-            pending = calls[k]
-            limit = pending.timeout
-            if limit:
-                with lock:
-                    started = time.perf_counter()
-                    self._running = (calls, k, started, me)
-                    early = started + limit < self._next_look  # due before the watchdog looks
-                if early:
-                    self._poke()
-            context.run(pending.run)
-            if limit:
-                with lock:
-                    if self._owner is not me:
-                        raise LoopAbandoned
-                    self._running = None
+        ensure_capture_installed()  # once a round (PendingCall.call leaves it, and the reset, to us)
+        try:
+            for k in range(start, len(calls)):
+                pending = calls[k]
+                limit = pending.timeout
+                if limit:
+                    with lock:
+                        started = time.perf_counter()
+                        self._running = (calls, k, started, me)
+                        early = started + limit < self._next_look  # due before the watchdog looks
+                    if early:
+                        self._poke()
+                context.run(pending.call)
+                if limit:
+                    with lock:
+                        if self._owner is not me:
+                            raise LoopAbandoned
+                        self._running = None
+        finally:
+            # the mods' code may have rebound what guards read: they are read afresh after the
+            # round (no guard is read between its calls)
+            forget_decisions()
 
     def close(self) -> None:
         """Stop the watchdog (a call running now is no longer watched)."""

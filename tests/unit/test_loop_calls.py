@@ -11,7 +11,8 @@ import time
 import pytest
 
 from engine.core.loop_calls import LoopAbandoned, LoopCalls
-from mods import ForceTokens, Sampled
+from mods import ForceTokens, ForwardPass, Sampled
+from mods.event_guard import turns_away
 from mods.manager import ABANDONED_THREAD_NAME, ModManager, abandoned_mod_threads
 
 LIMIT_S = 0.3
@@ -170,4 +171,29 @@ def test_a_take_over_that_cannot_start_a_thread_is_tried_again(release, caplog):
     assert "could not start a loop thread" in caplog.text
     assert first.name.startswith(ABANDONED_THREAD_NAME)
     assert calls[1].action.tokens == [2]
+    loop.calls.close()
+
+
+def test_a_round_captures_each_calls_prints_and_forgets_the_guards_decisions_after_it(release):
+    """A round checks the output capture once, before its first call, and resets the guards'
+    decisions once, after its last (no guard is read between its calls): each call's prints are
+    still its own, and a mod that rebinds what a guard reads is read afresh after the round."""
+    namespace: dict = {"Kind": Sampled, "heard": []}
+    exec("def guarded(event, tokenizer=None):\n    if isinstance(event, Kind):\n        heard.append(event)\n", namespace)
+    guarded = namespace["guarded"]
+    assert turns_away(guarded, Sampled("r", 1, 3)) is False  # decided: Sampled is heard
+
+    def printing(token):
+        def call(event, tokenizer=None):
+            print(f"call {token}")
+            namespace["Kind"] = ForwardPass  # the guard now hears ForwardPass only
+            return ForceTokens([token])
+        return call
+
+    _, calls = _round([printing(1)], [printing(2), printing(3)])
+    loop = Loop()
+    loop.start(calls).join(10)
+    assert loop.finished == [("done", [p.action for p in calls])]
+    assert [[log.message for log in p.buffer.logs()] for p in calls] == [["call 1\n"], ["call 2\n"], ["call 3\n"]]
+    assert turns_away(guarded, Sampled("r", 1, 3)) is True, "the round's calls rebound Kind: decided afresh"
     loop.calls.close()
