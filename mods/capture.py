@@ -84,6 +84,8 @@ class CaptureBuffer:
         return not self._parts and not self._stdout
 
     def logs(self) -> tuple[CapturedLog, ...]:
+        if not self._parts and not self._stdout:  # the usual call: nothing printed or logged
+            return ()
         self._flush_stdout()
         return tuple(self._parts)
 

@@ -121,11 +121,8 @@ class ModCallStats:
     errors: int = 0
     seconds: float = 0.0
 
-    def record(self, call: ModCall) -> None:
-        self.count(call.elapsed_ms, failed=call.exception is not None)
-
     def count(self, elapsed_ms: float, *, failed: bool = False) -> None:
-        """One call of ``elapsed_ms`` (a call with no record: :meth:`ModManager.records`)."""
+        """One call of ``elapsed_ms``, recorded or not (:meth:`ModManager.records`); ``failed``: it raised."""
         self.calls += 1
         self.errors += failed
         self.seconds += elapsed_ms / 1000.0
@@ -477,14 +474,15 @@ class ModManager:
                 stats.count(pending.elapsed_ms)
                 continue
             call = self._record(pending)
-            stats.record(call)
+            stats.count(call.elapsed_ms, failed=call.exception is not None)
             calls.append(call)
         return calls
 
     def _record(self, pending: _Pending) -> ModCall:
-        name = pending.name
-        event_type = type(pending.event).__name__
-        step = getattr(pending.event, "step", 0)
+        name = mod_name(pending.mod)
+        event = pending.event
+        event_type = type(event).__name__
+        step = getattr(event, "step", 0)
         action: ModAction
         exception: ModException | None
         if pending.outcome is None:  # abandoned after its time limit

@@ -223,7 +223,10 @@ class PhaseActions:
         lent = source.lent if shim else getattr(source, "lent", None)
         try:
             if shim and lent is not None and self._on_cpu:  # float32 on the engine's device already: as it is
-                logits = source.tensor
+                # a whole row of the batch, so of the vocabulary's size (HostLogits.slot_of places
+                # only whole rows): nothing to check but its numbers (settle)
+                plan.logits = source.tensor
+                return self._adopt(item, action, plan, lent, last)
             elif isinstance(source, MaskedLogits):  # said, not done: applied here, where the logits are
                 row = as_torch(source.base, device=self.device, dtype=torch.float32).reshape(-1)
                 mask = torch.from_numpy(source.mask()).to(self.device)  # (V,) bool
@@ -235,9 +238,16 @@ class PhaseActions:
         if logits.numel() != vocab:
             return self.fault(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
                                     f"got {logits.numel()}")
+        plan.logits = logits
+        self._adopt(item, action, plan, lent, last)
+
+    def _adopt(self, item: Call, action: AdjustedLogits, plan: StepPlan, lent: tuple[HostLogits, int] | None,
+              last: bool) -> None:
+        """:meth:`adjust_logits` once ``plan.logits`` holds the action's logits of the vocabulary's
+        size: its sampling values, and the check that they can be sampled from — now, or (a lent
+        row, the phase's last action) in :meth:`settle`."""
         temp = action.token_temp
         base = self.state.request.sampling
-        plan.logits = logits
         plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
         if lent is not None and last and not self.state.forced_queue:
             # checked by settle(), once every request's ForwardPass actions are applied; recorded
@@ -251,7 +261,7 @@ class PhaseActions:
         if lent is not None:  # Python numbers, read with every other lent row's
             best, where = lent[0].row_max(lent[1])
         else:
-            best, where = logits.max(0)
+            best, where = plan.logits.max(0)
             best = float(best)
         if not math.isfinite(best):
             return self._unusable(item)

@@ -12,7 +12,7 @@ import torch
 
 from engine.model.backend import RowOutput
 from engine.model.capture import RowCapture
-from engine.model.tensor import ReleasedLogits, TensorShim, logits_dims
+from engine.model.tensor import ReleasedLogits, TensorShim, logits_dims, released
 from mods.types import ContextInfo, ForwardPass, Prefilled, SAEFeatures
 
 __all__ = ["prefilled_event", "forward_event", "released_logits", "attention_rows", "all_features", "newest_row",
@@ -70,7 +70,9 @@ def released_logits(event: Any, step: int | None = None, shape: tuple[int, ...] 
         kept = copy.copy(event)
     if shape is None:
         shape = logits_dims(event.logits) or ()
-    kept.logits = ReleasedLogits(shape, step if step is not None else event.step)
+    step = step if step is not None else event.step
+    shape = shape if type(shape) is tuple else tuple(shape)
+    kept.logits = released(shape, step) if type(step) is int else ReleasedLogits(shape, step)
     return kept
 
 

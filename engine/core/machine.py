@@ -51,7 +51,7 @@ from engine.core.request import ForwardRecord, RequestState, RequestStatus
 from engine.core.result import FinishReason
 from engine.model.backend import ForwardRow, RowOutput
 from engine.model.capture import RowCapture
-from engine.model.tensor import ReleasedLogits
+from engine.model.tensor import released
 from engine.model.sampling import SampleResult, SampleRow
 from mods.event_guard import forget_decisions
 from mods.manager import ModCall, ModManager, PendingCall
@@ -95,8 +95,8 @@ class RequestMachine:
         self.fast = self._mod_free and state.on_event is None
         self._trace: list[tuple[Any, ...]] = []
         # a request with mods: its Sampled/Added events that nothing heard as they happened, made
-        # when it ends (materialize): (their place among its events, class, its fields after request_id)
-        self._later: list[tuple[int, Callable[..., ModEvent], tuple[Any, ...]]] = []
+        # when it ends (materialize): (their place among its events, class, *its fields after request_id)
+        self._later: list[tuple[Any, ...]] = []
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
         self._host_row = -1  # this request's row in it
         self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
@@ -393,7 +393,7 @@ class RequestMachine:
                 _, step, at, output, length, encoded = entry
                 if isinstance(output, tuple):  # its logits were not kept: the row's internals and top log-probs
                     output, top = output
-                    logits = ReleasedLogits((1, self.actions.vocab_size), step)
+                    logits = released((1, self.actions.vocab_size), step)
                 else:
                     top, logits = self._top_of(output), None
                 event: ModEvent = self._forward_event_of(output, step, tokens[:length], encoded, logits=logits)
@@ -414,7 +414,7 @@ class RequestMachine:
         self._later = []
         events: list[ModEvent] = []
         live = iter(state.events)
-        for place, kind, fields in later:
+        for place, kind, *fields in later:
             events.extend(next(live) for _ in range(place - len(events)))
             events.append(kind(state.request_id, *fields))
         events.extend(live)
@@ -440,7 +440,7 @@ class RequestMachine:
             tokens, forced = fields
             fields = (list(tokens), forced)  # its own list: the stream was handed the step's
             state.payload.added(state.step, *fields)
-        self._later.append((place, kind, (state.step, *fields)))
+        self._later.append((place, kind, state.step, *fields))  # one flat tuple (each kept one the collector walks)
 
     def _sample_row(self, plan: StepPlan) -> SampleRow:
         """What this step samples from: the (possibly adjusted) logits, the sampling values, and
@@ -652,7 +652,8 @@ class RequestMachine:
         """The calls to apply and record (a silent Noop has no record: nothing to do for it)."""
         if not calls:
             return []
-        items = [Call(c, i) for c, i in zip(calls, self.state.payload.calls(index, calls))]
+        payload = self.state.payload
+        items = [Call(call, payload.call(index, call)) for call in calls]
         return items if self.actions.check_fatal_calls(items) else []
 
     @property

@@ -62,7 +62,7 @@ from mods.types import (
 __all__ = ["PayloadBuilder", "iso_time", "MOD_LOG_ENTRY_OVERHEAD"]
 
 # what a PayloadBuilder's log entry is (its first item)
-_EVENT, _CALL, _ADJUSTED, _ACTION, _STEER = (object() for _ in range(5))
+_EVENT, _ADJUSTED, _ACTION, _STEER = (object() for _ in range(4))
 
 TOP_TOKENS = 20
 _INPUT_TEXT_CHARS = 70
@@ -178,8 +178,10 @@ def _cut_marker(chars: int, entries: int, scope: str, key: str, limit: int) -> s
 
 @dataclass(slots=True)
 class _CallFacts:
-    """What a mod call's ``mod_calls`` and ``mod_logs`` records say (a :class:`ModCall` less its action)."""
+    """What a mod call's ``mod_calls`` and ``mod_logs`` records say (a :class:`ModCall` less its
+    action), and the index of the event it was called for: the call's entry in the log itself."""
 
+    event_index: int
     mod_name: str
     event_type: str
     step: int
@@ -209,7 +211,8 @@ class PayloadBuilder:
         self._later: list[tuple[ModEvent, Any, float]] = []  # event_later's, recorded at build
         # what the loop recorded, in order, as small facts made into JSON records at build: a
         # request's payload is built once, at its end, and only when something reads or sends it
-        self._log: list[tuple[Any, ...]] = []
+        # (a call's entry is its _CallFacts; every other entry a tuple tagged by its first item)
+        self._log: list[tuple[Any, ...] | _CallFacts] = []
         self._event_count = 0
         self._call_count = 0
         self._fed_upto: int | None = None
@@ -228,22 +231,25 @@ class PayloadBuilder:
         self._event_count += 1
         # time.time() is what datetime.now(utc).timestamp() reads, at a tenth of the cost
         at = time.time() if at is None else at
-        facts: tuple[Any, ...]
-        if isinstance(event, Prefilled):
-            facts = (len(event.input_ids or getattr(event.context_info, "tokens", []) or []), int(event.max_steps))
-            self._fed_upto = None
-        elif isinstance(event, ForwardPass):
+        # one flat tuple a record, its facts after (_EVENT, class, step, time): each tuple a request
+        # keeps until it ends is one more object for the garbage collector's passes to walk
+        kind, step = type(event), int(event.step)
+        if isinstance(event, ForwardPass):
             ids = event.input_ids or []  # the event's own list: read, never kept or changed
             fed = ids[:] if self._fed_upto is None else (ids[self._fed_upto:] or ids[-1:])
             self._fed_upto = len(ids)
-            facts = (fed, top)
+            self._log.append((_EVENT, kind, step, at, fed, top))
         elif isinstance(event, Sampled):
-            facts = (int(event.sampled_token),)
+            self._log.append((_EVENT, kind, step, at, int(event.sampled_token)))
         elif isinstance(event, Added):
-            facts = ([int(t) for t in event.added_tokens], bool(event.forced))
+            self._log.append((_EVENT, kind, step, at, [int(t) for t in event.added_tokens], bool(event.forced)))
+        elif isinstance(event, Prefilled):
+            self._fed_upto = None
+            self._log.append((_EVENT, kind, step, at,
+                              len(event.input_ids or getattr(event.context_info, "tokens", []) or []),
+                              int(event.max_steps)))
         else:
-            facts = ()
-        self._log.append((_EVENT, type(event), int(event.step), at, facts))
+            self._log.append((_EVENT, kind, step, at))
         return index
 
     def sampled(self, step: int, token: int) -> int:
@@ -251,14 +257,14 @@ class PayloadBuilder:
         step whose Sampled no one hears as it happens: the event itself is made later)."""
         index = self._event_count
         self._event_count += 1
-        self._log.append((_EVENT, Sampled, step, time.time(), (int(token),)))
+        self._log.append((_EVENT, Sampled, step, time.time(), int(token)))
         return index
 
     def added(self, step: int, tokens: Sequence[int], forced: bool) -> int:
         """Record an Added event from its facts, as :meth:`event` would (see :meth:`sampled`)."""
         index = self._event_count
         self._event_count += 1
-        self._log.append((_EVENT, Added, step, time.time(), ([int(t) for t in tokens], bool(forced))))
+        self._log.append((_EVENT, Added, step, time.time(), [int(t) for t in tokens], bool(forced)))
         return index
 
     def event_later(self, events: Sequence[tuple[ModEvent, Any, float]]) -> None:
@@ -267,7 +273,7 @@ class PayloadBuilder:
         which come after every event recorded before them."""
         self._later.extend(events)
 
-    def _event_record(self, kind: type, step: int, at: float, facts: tuple[Any, ...]) -> None:
+    def _event_record(self, kind: type, step: int, at: float, *facts: Any) -> None:
         record: dict[str, Any] = {
             "event_type": kind.__name__,
             "step": step,
@@ -295,23 +301,24 @@ class PayloadBuilder:
     def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]:
         """Record the noteworthy ``calls`` of event ``event_index`` (a call record is read, never
         changed); each one's position in ``mod_calls``, None for one not recorded."""
-        indices: list[int | None] = []
-        for call in calls:
-            if not call.noteworthy:
-                indices.append(None)
-                continue
-            indices.append(self._call_count)
-            self._call_count += 1
-            # its facts, not the call: its action may hold a row of the step's host copy of the
-            # logits, which would keep every step's whole copy alive until the request ends
-            self._log.append((_CALL, event_index, _CallFacts(call.mod_name, call.event_type, call.step, call.started_at,
-                                                             call.elapsed_ms, call.exception, call.logs)))
-        return indices
+        return [self.call(event_index, call) for call in calls]
 
-    def _call_record(self, event_index: int, call: "_CallFacts") -> None:
+    def call(self, event_index: int, call: ModCall) -> int | None:
+        """:meth:`calls` of one call (a step's usual one, a logits mod's, is recorded alone)."""
+        if not call.noteworthy:
+            return None
+        index = self._call_count
+        self._call_count += 1
+        # its facts, not the call: its action may hold a row of the step's host copy of the
+        # logits, which would keep every step's whole copy alive until the request ends
+        self._log.append(_CallFacts(event_index, call.mod_name, call.event_type, call.step, call.started_at,
+                                    call.elapsed_ms, call.exception, call.logs))
+        return index
+
+    def _call_record(self, call: "_CallFacts") -> None:
         index = len(self._mod_calls)
         record: dict[str, Any] = {
-            "event_sequence_order": event_index,
+            "event_sequence_order": call.event_index,
             "mod_name": call.mod_name[:255],
             "event_type": call.event_type,
             "step": int(call.step),
@@ -406,7 +413,8 @@ class PayloadBuilder:
         if call_index is None:
             return
         last = self._log[-1] if self._log else None
-        if last is None or last[0] is not _ADJUSTED or last[1] != call_index or last[2].get("applied") is not True:
+        if type(last) is not tuple or last[0] is not _ADJUSTED or last[1] != call_index \
+                or last[2].get("applied") is not True:
             raise AssertionError(f"the newest payload record is not call {call_index}'s AdjustedLogits as applied")
         self._log.pop()
 
@@ -419,11 +427,12 @@ class PayloadBuilder:
         """Make the JSON records of everything logged, in the order it happened."""
         log, self._log = self._log, []
         for entry in log:
+            if isinstance(entry, _CallFacts):
+                self._call_record(entry)
+                continue
             what = entry[0]
             if what is _EVENT:
                 self._event_record(*entry[1:])
-            elif what is _CALL:
-                self._call_record(*entry[1:])
             elif what is _ADJUSTED:
                 _, call_index, details, at, dims, temp = entry
                 record = self._action_record(call_index, "AdjustedLogits", details, at)

@@ -62,6 +62,11 @@ def test_released_logits_read_live_same_tokens_and_a_clear_error_after(engine):
         assert [a for a in kept.actions if isinstance(a, AdjustedLogits)][0].logits.to_numpy().shape == (1, vocab)
         portable = pickle.loads(pickle.dumps(released.portable()))  # what a GeneratorActor sends back
         assert portable.actions[0].logits.shape == (1, vocab)
+        # a step's released ForwardPass and AdjustedLogits share one marker (as every request's of
+        # that step do): a request keeps no object per step it does not need
+        assert all(action.logits is event.logits for action, event in zip(adjusted, forwards))
+    first = [[e.logits for e in r.events if isinstance(e, ForwardPass)] for r in results[False]]
+    assert all(a is b for a, b in zip(first[0], first[1]))
 
 
 def test_the_first_step_after_prefill_and_a_request_without_mods_release_too(engine):
