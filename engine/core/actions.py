@@ -221,12 +221,10 @@ class PhaseActions:
         shim = type(source) is TensorShim
         # a whole row of the step's host copy, as a mod left it (the usual edit-and-return)
         lent = source.lent if shim else getattr(source, "lent", None)
+        whole_row = False  # a whole row of the batch: of the vocabulary's size (HostLogits.slot_of places only those)
         try:
             if shim and lent is not None and self._on_cpu:  # float32 on the engine's device already: as it is
-                # a whole row of the batch, so of the vocabulary's size (HostLogits.slot_of places
-                # only whole rows): nothing to check but its numbers (settle)
-                plan.logits = source.tensor
-                return self._adopt(item, action, plan, lent, last)
+                logits, whole_row = source.tensor, True
             elif isinstance(source, MaskedLogits):  # said, not done: applied here, where the logits are
                 row = as_torch(source.base, device=self.device, dtype=torch.float32).reshape(-1)
                 mask = torch.from_numpy(source.mask()).to(self.device)  # (V,) bool
@@ -235,19 +233,12 @@ class PhaseActions:
                 logits = as_torch(source, device=self.device, dtype=torch.float32).reshape(-1)
         except Exception as err:  # a mod handed us something that is not a tensor
             return self.fault(item, f"AdjustedLogits.logits is not a tensor of numbers: {err}")
-        if logits.numel() != vocab:
+        if not whole_row and logits.numel() != vocab:
             return self.fault(item, f"AdjustedLogits.logits must have {vocab} entries ([1, V] or [V]), "
                                     f"got {logits.numel()}")
-        plan.logits = logits
-        self._adopt(item, action, plan, lent, last)
-
-    def _adopt(self, item: Call, action: AdjustedLogits, plan: StepPlan, lent: tuple[HostLogits, int] | None,
-              last: bool) -> None:
-        """:meth:`adjust_logits` once ``plan.logits`` holds the action's logits of the vocabulary's
-        size: its sampling values, and the check that they can be sampled from — now, or (a lent
-        row, the phase's last action) in :meth:`settle`."""
         temp = action.token_temp
         base = self.state.request.sampling
+        plan.logits = logits
         plan.sampling = base if temp is None else dataclasses.replace(base, temperature=float(temp))
         if lent is not None and last and not self.state.forced_queue:
             # checked by settle(), once every request's ForwardPass actions are applied; recorded
@@ -261,7 +252,7 @@ class PhaseActions:
         if lent is not None:  # Python numbers, read with every other lent row's
             best, where = lent[0].row_max(lent[1])
         else:
-            best, where = plan.logits.max(0)
+            best, where = logits.max(0)
             best = float(best)
         if not math.isfinite(best):
             return self._unusable(item)
