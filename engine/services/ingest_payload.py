@@ -298,13 +298,9 @@ class PayloadBuilder:
             record["forced"] = forced
         self._events.append(record)
 
-    def calls(self, event_index: int, calls: Sequence[ModCall]) -> list[int | None]:
-        """Record the noteworthy ``calls`` of event ``event_index`` (a call record is read, never
-        changed); each one's position in ``mod_calls``, None for one not recorded."""
-        return [self.call(event_index, call) for call in calls]
-
     def call(self, event_index: int, call: ModCall) -> int | None:
-        """:meth:`calls` of one call (a step's usual one, a logits mod's, is recorded alone)."""
+        """Record ``call`` of event ``event_index`` if it is noteworthy (a call record is read,
+        never changed); its position in ``mod_calls``, None when it is not recorded."""
         if not call.noteworthy:
             return None
         index = self._call_count

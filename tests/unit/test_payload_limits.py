@@ -49,7 +49,7 @@ def kept_text(payload: dict) -> int:
 def test_mod_logs_are_cut_per_call_with_a_marker_saying_how_much():
     builder = new_builder(mod_log_max_chars_per_call=1000, mod_log_max_chars_per_request=100_000)
     event = prefilled(builder)
-    builder.calls(event, [chatty_call(5, 300)])  # 1500 characters written; 1000 (with overheads) allowed
+    builder.call(event, chatty_call(5, 300))  # 1500 characters written; 1000 (with overheads) allowed
     payload = build(builder)
     markers = [e for e in payload["mod_logs"] if MARKER in e["log_message"]]
     assert len(markers) == 1 and markers[0]["log_level"] == "WARNING", payload["mod_logs"]
@@ -64,7 +64,7 @@ def test_mod_logs_are_cut_per_call_with_a_marker_saying_how_much():
 def test_mod_logs_within_the_limits_are_kept_whole():
     # positive control for the test above: the same mod under roomy limits loses nothing
     builder = new_builder(mod_log_max_chars_per_call=100_000, mod_log_max_chars_per_request=100_000)
-    builder.calls(prefilled(builder), [chatty_call(5, 300)])
+    builder.call(prefilled(builder), chatty_call(5, 300))
     payload = build(builder)
     assert kept_text(payload) == 5 * 300 and "mod_logs_cut" not in payload["request"]["inference_stats"]
     assert not any(MARKER in e["log_message"] for e in payload["mod_logs"])
@@ -75,7 +75,7 @@ def test_a_chatty_mod_cannot_push_a_payload_past_the_request_limit():
     builder = new_builder(mod_log_max_chars_per_call=10_000, mod_log_max_chars_per_request=limit)
     event = prefilled(builder)
     for _ in range(200):  # 200 calls × 20 entries × 2000 characters = 8 MB written
-        builder.calls(event, [chatty_call(20, 2000)])
+        builder.call(event, chatty_call(20, 2000))
     payload = build(builder)
     body = json.dumps(payload)
     written = 200 * 20 * 2000
@@ -92,7 +92,7 @@ def test_exception_tracebacks_count_against_the_limits():
     builder = new_builder(mod_log_max_chars_per_call=2000, mod_log_max_chars_per_request=10_000)
     event = prefilled(builder)
     for _ in range(50):
-        builder.calls(event, [chatty_call(0, 0, exception=huge)])
+        builder.call(event, chatty_call(0, 0, exception=huge))
     payload = build(builder)
     assert all(c["exception_occurred"] for c in payload["mod_calls"])
     assert sum(len(c["exception_traceback"]) for c in payload["mod_calls"]) < 10_000 + 50 * 100
@@ -157,7 +157,7 @@ def test_non_finite_floats_in_a_payload_become_null_and_the_body_is_strict_json(
     action = ToolCalls([{"name": "f", "arguments": {"score": math.nan, "range": [-math.inf, 1.5]}}])
     calls = [ModCall("odd", "Prefilled", 0, action, (), time.time(), 0.1),
              ModCall("odd2", "Prefilled", 0, AdjustedLogits(None, token_temp=math.nan), (), time.time(), 0.1)]
-    indices = builder.calls(event, calls)
+    indices = [builder.call(event, call) for call in calls]
     builder.action(indices[0], calls[0].action, applied=True)
     builder.action(indices[1], calls[1].action, applied=False, note="test")
     payload = build(builder)

@@ -41,7 +41,7 @@ def test_records_say_what_was_true_when_recorded_not_at_build():
     adjusted = AdjustedLogits(np.zeros((1, 128), np.float32), token_temp=0.5)
     forced = ForceTokens([43, 44])
     calls = [_call(adjusted, "ForwardPass", 0, "a"), _call(forced, "ForwardPass", 0, "b")]
-    a_index, b_index = builder.calls(index, calls)
+    a_index, b_index = [builder.call(index, call) for call in calls]
     builder.action(a_index, adjusted, applied=True)
     builder.action(b_index, forced, applied=False, note="one per step")
     sampled = Sampled("r1", 0, 45)
@@ -76,10 +76,10 @@ def test_a_steer_line_follows_its_calls_logs_in_the_order_recorded():
     builder = _builder()
     index = builder.event(Sampled("r1", 2, 45))
     steer = Steer(feature_id=7, scale=2.0)
-    (call_index,) = builder.calls(index, [_call(steer, "Sampled", 2, "steerer")])
+    call_index = builder.call(index, _call(steer, "Sampled", 2, "steerer"))
     builder.action(call_index, steer, applied=True)
     later = builder.event(Added("r1", 2, [45], False))
-    builder.calls(later, [_call(ForceTokens([46]), "Added", 2, "forcer")])
+    builder.call(later, _call(ForceTokens([46]), "Added", 2, "forcer"))
     payload = _build(builder)
     (line,) = payload["mod_logs"]
     assert line["mod_name"] == "steerer" and line["mod_call_sequence"] == 0
@@ -102,7 +102,7 @@ def test_a_recorded_logits_action_does_not_keep_the_steps_host_copy_alive():
     adjusted = AdjustedLogits(TensorShim.from_numpy(row))
     assert adjusted.logits.lent is not None  # the action wraps the copy's own row
     index = builder.event(ForwardPass("r1", 0, None, input_ids=[40]))
-    (call_index,) = builder.calls(index, [_call(adjusted, "ForwardPass", 0)])
+    call_index = builder.call(index, _call(adjusted, "ForwardPass", 0))
     builder.action(call_index, adjusted, applied=True)
     del host, row, adjusted
     gc.collect()
@@ -118,7 +118,7 @@ def test_an_adjusted_logits_recorded_as_applied_ahead_of_its_check_is_taken_back
     builder = _builder()
     index = builder.event(ForwardPass("r1", 0, None, input_ids=[40, 41]))
     adjusted = AdjustedLogits(np.zeros((1, 128), np.float32))
-    (call_index,) = builder.calls(index, [_call(adjusted, "ForwardPass", 0, "a")])
+    call_index = builder.call(index, _call(adjusted, "ForwardPass", 0, "a"))
     builder.action(call_index, adjusted, applied=True)
     with pytest.raises(AssertionError, match="not call 7's"):
         builder.take_back_action(7)
