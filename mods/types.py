@@ -18,15 +18,19 @@ field               Prefilled                ForwardPass
 hidden_states       ``(seq, d)``             ``(1, d)`` newest token
 attention_patterns  ``(h, seq, seq)``        ``(h, 1, seq)`` newest row
 layer               configured layer index   same
-input_ids           prompt ids               full sequence so far
+input_ids           prompt ids (a list)      full sequence so far
 ==================  =======================  =======================
+
+``ForwardPass.input_ids`` is a read-only sequence (:class:`mods.token_ids.TokenIds`, a view of the
+request's ids made in O(1) a step) that reads like a list: ``len``, indexing, slices, iteration,
+``==`` with a list; ``list(event.input_ids)`` is a list of its own.
 
 ``ForwardPass.logits`` is a tensor whose ``to_numpy()`` is float32 ``[1, V]``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -187,7 +191,7 @@ class ForwardPass(ModEvent):
         hidden_states: Any = None,
         attention_patterns: Any = None,
         layer: int | None = None,
-        input_ids: list[int] | None = None,
+        input_ids: Sequence[int] | None = None,
         sae_features: SAEFeatures | None = None,
     ) -> None:
         self.request_id = request_id

@@ -5,7 +5,7 @@ views of the engine's own; logits are a view of the batch's row made when first 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ def prefilled_event(request_id: str, prompt_ids: list[int], max_tokens: int, out
     )
 
 
-def forward_event(request_id: str, step: int, output: RowOutput | RowCapture, layer: int, input_ids: list[int],
+def forward_event(request_id: str, step: int, output: RowOutput | RowCapture, layer: int, input_ids: Sequence[int],
                   features: SAEFeatures | None, host: Any = None, logits: Any = None) -> ForwardPass:
     """A step's forward: logits ``(1, V)`` (``host``: the step's host copy its mods read), the
     newest token's hidden state ``(1, d)`` and attention row ``(h, 1, kv)`` at ``layer``.

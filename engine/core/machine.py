@@ -55,6 +55,7 @@ from engine.model.tensor import released
 from engine.model.sampling import SampleResult, SampleRow
 from mods.event_guard import forget_decisions
 from mods.manager import ModCall, ModManager, PendingCall
+from mods.token_ids import TokenIds
 from mods.types import Added, ForwardPass, ModEvent, Prefilled, SAEFeatures, Sampled
 
 __all__ = ["RequestMachine", "Unsettled"]
@@ -384,7 +385,7 @@ class RequestMachine:
         if not trace:
             return
         self._trace = []
-        tokens = state.tokens
+        tokens = state.tokens  # every event views a prefix of this one list (TokenIds)
         later = []
         for entry in trace:
             kind = entry[0]
@@ -396,7 +397,8 @@ class RequestMachine:
                     logits = released((1, self.actions.vocab_size), step)
                 else:
                     top, logits = self._top_of(output), None
-                event: ModEvent = self._forward_event_of(output, step, tokens[:length], encoded, logits=logits)
+                event: ModEvent = self._forward_event_of(output, step, TokenIds(tokens, length), encoded,
+                                                         logits=logits)
             elif kind is Sampled:
                 _, step, at, token = entry
                 event = Sampled(state.request_id, step, token)
@@ -685,9 +687,9 @@ class RequestMachine:
     def _forward_event(self) -> ForwardPass:
         state = self.state
         assert state.output is not None  # built only when the step is ready
-        return self._forward_event_of(state.output, state.step, state.tokens, state.sae_features, self._host)
+        return self._forward_event_of(state.output, state.step, state.token_ids(), state.sae_features, self._host)
 
-    def _forward_event_of(self, output: RowOutput | RowCapture, step: int, input_ids: list[int], encoded: Any,
+    def _forward_event_of(self, output: RowOutput | RowCapture, step: int, input_ids: Sequence[int], encoded: Any,
                           host: Any = None, logits: Any = None) -> ForwardPass:
         return forward_event(self.state.request_id, step, output, self.state.event_layer, input_ids,
                              self._newest_features(encoded), host, logits)

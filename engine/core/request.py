@@ -16,6 +16,7 @@ from engine.model.backend import ForwardRecord, RowOutput
 from engine.model.capture import CapturePlan
 from engine.model.sampling import SamplingParams, TokenCounts
 from mods.manager import ModCall, ModManager
+from mods.token_ids import TokenIds
 from mods.types import ModAction, ModEvent
 
 if TYPE_CHECKING:  # llguidance is imported only by requests that ask for structured output
@@ -167,6 +168,9 @@ class RequestState:
     # the penalties' token counts, by what they count ("generated"; "history": prompt + generated),
     # from their first use on
     counts: dict[str, TokenCounts] = field(default_factory=dict, repr=False)
+    # ``prompt_ids + generated`` as one list that only grows (None: made at the next read), which
+    # events view (:meth:`token_ids`); an erase or a new prompt starts a new one
+    _sequence: list[int] | None = field(default=None, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -175,6 +179,14 @@ class RequestState:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.generated
+
+    def token_ids(self) -> TokenIds:
+        """The sequence so far as an event carries it (``input_ids``): a view, made in O(1) a step
+        (a list a step would cost a request O(length) a step and its events O(length²) ids)."""
+        sequence = self._sequence
+        if sequence is None:
+            sequence = self._sequence = self.prompt_ids + self.generated
+        return TokenIds(sequence)
 
     def penalty_counts(self, kind: str, vocab: int, device: torch.device) -> torch.Tensor:
         """``(V,)`` counts of the ``"generated"`` tokens (presence/frequency penalties) or of the
@@ -190,6 +202,7 @@ class RequestState:
         """AdjustedPrefill: the new prompt is fed by the next forwards (Prefilled is not re-sent);
         counts that include the old prompt are dropped and counted again when next needed."""
         self.prompt_ids, self.cached, self.output = list(tokens), 0, None
+        self._sequence = None  # views made before keep the old prompt
         self.counts.pop("history", None)
 
     def _count(self, tokens: Sequence[int], *, removed: bool) -> None:
@@ -226,6 +239,8 @@ class RequestState:
                           "must leave one of them finite")
                 return []
         self.generated.extend(tokens)
+        if self._sequence is not None:
+            self._sequence.extend(tokens)
         self._count(tokens, removed=False)
         self.step_committed.extend(tokens)
         if self.request.logprobs >= 0 and tokens:
@@ -242,6 +257,7 @@ class RequestState:
             self.grammar.rollback(n)
         self._count(self.generated[len(self.generated) - n:], removed=True)
         del self.generated[len(self.generated) - n:]
+        self._sequence = None  # a new list: views made before keep the erased ids
         del self.logprobs[len(self.generated):]
         del self.step_committed[max(0, len(self.step_committed) - n):]
         keep = self.length

@@ -180,6 +180,33 @@ def test_moving_a_slot_position_back_regenerates_identical_logits(engine):
     torch.testing.assert_close(again, first, atol=FP32_NOISE_TOL, rtol=0)
 
 
+def test_forward_pass_input_ids_are_the_sequence_as_it_was_and_share_one_list(engine):
+    """Each ForwardPass's ``input_ids`` is the sequence fed so far, as a mod saw it then — through
+    a Backtrack that erased two committed tokens — and a result's events view one list per stretch
+    between erases (no list of their own a step), with a mod or without."""
+    seen: list[list[int]] = []
+
+    @mod
+    def undo_two(event, actions, tokenizer):
+        if isinstance(event, ForwardPass):
+            seen.append(list(event.input_ids))  # a list of its own, as the mod saw it then
+            if event.step == 4:
+                return actions.backtrack(steps=2)
+
+    result = engine.generate(PROMPT, mods=[undo_two], max_tokens=8, temperature=0.0)
+    forwards = [e for e in result.events if isinstance(e, ForwardPass)]
+    assert [list(fp.input_ids) for fp in forwards] == seen
+    assert len(seen[5]) == len(seen[4]) - 2  # the erase shows in the next step's ids, not in earlier ones
+    final = result.prompt_ids + result.output_ids
+    assert seen[-1] == final[:len(seen[-1])]
+    assert len({id(fp.input_ids._ids) for fp in forwards}) == 2  # one list before the erase, one after
+    plain = engine.generate(PROMPT, max_tokens=8, temperature=0.0)  # no mod: its events are made at the end
+    plain_forwards = [e for e in plain.events if isinstance(e, ForwardPass)]
+    assert len({id(fp.input_ids._ids) for fp in plain_forwards}) == 1
+    assert [list(fp.input_ids) for fp in plain_forwards] == \
+        [plain.prompt_ids + plain.output_ids[:i] for i in range(len(plain_forwards))]
+
+
 def test_backtrack_without_reinjection_regenerates_the_same_greedy_text(engine):
     """A cropped cache that were wrong would change the greedy continuation."""
     @mod
