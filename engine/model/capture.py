@@ -27,6 +27,7 @@ Attention patterns
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -104,11 +105,13 @@ class CapturePlan:
     def with_all_query_rows(self, value: bool) -> "CapturePlan":
         return CapturePlan(self.names, value)
 
-    @property
+    # read for every row of every forward (a request's plans are made once, when it is submitted):
+    # found once per plan, not sorted again at each read (~0.45 µs each, four a request-step)
+    @functools.cached_property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(sorted(n.layer for n in self.names if n.hook == "hook_resid_post"))  # type: ignore[misc]
 
-    @property
+    @functools.cached_property
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(sorted(n.layer for n in self.names if n.hook == "attn.hook_pattern"))  # type: ignore[misc]
 
