@@ -34,6 +34,13 @@ class TokenIds(Sequence[int]):
             raise ValueError(f"a view of {n} ids needs a list of at least {n}, got {len(ids)}")
         self._ids, self._n = ids, n
 
+    @classmethod
+    def whole(cls, ids: list[int]) -> "TokenIds":
+        """A view of all of ``ids`` as they are now (made every step of a request with mods)."""
+        view = object.__new__(cls)
+        view._ids, view._n = ids, len(ids)
+        return view
+
     def __len__(self) -> int:
         return self._n
 
@@ -45,11 +52,9 @@ class TokenIds(Sequence[int]):
 
     def __getitem__(self, index: Any) -> Any:
         n = self._n
-        if isinstance(index, slice):
+        if type(index) is slice:
             start, stop, step = index.indices(n)
-            if step == 1:
-                return self._ids[start:stop]
-            return self._ids[:n][index]
+            return self._ids[start:stop] if step == 1 else self._ids[:n][index]
         i = index.__index__()  # an int-like index (a numpy integer too), as a list takes
         if i < 0:
             i += n
