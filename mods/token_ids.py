@@ -9,7 +9,7 @@ or removes an id a view can see (an erase starts a new list), so a view of the f
 what it was when its event was made.
 
 It reads like the list it replaces: ``len``, indexing, slices (lists), iteration, ``in``, ``==``
-with a list or tuple, ``+``, ``numpy.asarray``; ``list(ids)`` is a list of its own.
+with a list (not a tuple, as a list), ``+``, ``numpy.asarray``; ``list(ids)`` is a list of its own.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class TokenIds(Sequence[int]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenIds):
             return self._n == other._n and (self._ids is other._ids or self._ids[:self._n] == other._ids[:other._n])
-        if isinstance(other, (list, tuple)):
-            return self._n == len(other) and self._ids[:self._n] == list(other)
+        if isinstance(other, list):  # not a tuple: the list it replaces equals none
+            return self._n == len(other) and self._ids[:self._n] == other
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # equal to a list, which has none

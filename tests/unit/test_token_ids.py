@@ -20,7 +20,8 @@ def test_a_view_reads_like_its_list():
     backing = [5, 6, 7, 8, 9, 10]
     ids, plain = TokenIds(backing, 4), [5, 6, 7, 8]
     assert len(ids) == 4 and list(ids) == plain and ids.tolist() == plain
-    assert ids == plain and plain == ids and ids == tuple(plain) and ids != [5, 6, 7] and ids != [5, 6, 7, 8, 9]
+    assert ids == plain and plain == ids and ids != [5, 6, 7] and ids != [5, 6, 7, 8, 9]
+    assert ids != tuple(plain) and (ids == tuple(plain)) == (plain == tuple(plain))  # as the list it replaces
     assert ids == TokenIds(list(plain)) and ids != TokenIds(backing)
     assert [ids[i] for i in range(-4, 4)] == [plain[i] for i in range(-4, 4)]
     assert ids[np.int64(1)] == 6  # a numpy integer indexes it as it indexes a list
