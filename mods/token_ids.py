@@ -34,13 +34,6 @@ class TokenIds(Sequence[int]):
             raise ValueError(f"a view of {n} ids needs a list of at least {n}, got {len(ids)}")
         self._ids, self._n = ids, n
 
-    @classmethod
-    def whole(cls, ids: list[int]) -> "TokenIds":
-        """A view of all of ``ids`` as they are now (made every step of a request with mods)."""
-        view = object.__new__(cls)
-        view._ids, view._n = ids, len(ids)
-        return view
-
     def __len__(self) -> int:
         return self._n
 

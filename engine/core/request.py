@@ -186,7 +186,7 @@ class RequestState:
         sequence = self._sequence
         if sequence is None:
             sequence = self._sequence = self.prompt_ids + self.generated
-        return TokenIds.whole(sequence)
+        return TokenIds(sequence)
 
     def penalty_counts(self, kind: str, vocab: int, device: torch.device) -> torch.Tensor:
         """``(V,)`` counts of the ``"generated"`` tokens (presence/frequency penalties) or of the
