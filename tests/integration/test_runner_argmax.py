@@ -59,3 +59,30 @@ def test_the_runner_finds_the_argmax_of_the_rows_that_ask_and_only_those(engine)
     assert asked["mod"] == [True] * 5  # its row is lent to its one mod in place: drawn as the runner found it
     assert not any(asked["listened"])  # a listener reads the row too: copied for the mod, drawn by the sampler
     assert all(r.finish_reason.value == "length" for r in results.values())
+
+
+def test_the_runner_reads_the_argmax_off_the_forwards_top_log_probs_with_no_second_pass(engine, monkeypatch):
+    """A request whose payload lists the top log-probs (as when payloads are sent) has them computed
+    with every forward: a row whose best log-prob is strictly above its second takes its best id,
+    so the runner searches no row whole."""
+    import engine.model.vocab_search as vocab_search
+
+    searched: list[int] = []
+    real = vocab_search.row_max
+    monkeypatch.setattr(vocab_search, "row_max", lambda scores: (searched.append(scores.shape[0]), real(scores))[1])
+    seen, runner = _watch(engine)
+    try:
+        with engine.loop.admission_held():
+            handles = [engine.submit(p, max_tokens=4, temperature=0.0, payload_top_tokens=True)
+                       for p in ("Name a colour.", "Say hi.")]
+        for h in handles:
+            h.result(timeout=300)
+    finally:
+        del runner.execute
+    asked = [(rows, out) for rows, out in seen if any(r.argmax for r in rows)]
+    assert asked and all(out.top is not None for _, out in asked)
+    for rows, out in asked:
+        for b, row in enumerate(rows):
+            if row.argmax:
+                assert out.argmax[b] == int(torch.argmax(out.logits[b]))
+    assert searched == []  # the embedded model's logits have no tie at their top here

@@ -71,3 +71,53 @@ def test_a_float32_batch_that_is_a_strided_view_or_needs_grad_is_read_in_place()
     values, indices = row_max(grad)
     want = grad.detach().max(dim=-1)
     assert torch.equal(values, want.values) and torch.equal(indices, want.indices)
+
+
+# ------------------------------------------------------------------ first_max_ids from the top log-probs
+
+
+def _first_max(scores: torch.Tensor) -> list[int]:
+    return [int(scores[i].numpy().argmax()) for i in range(scores.shape[0])]  # numpy keeps the first
+
+
+def test_first_max_ids_from_the_top_log_probs_match_a_whole_search_and_search_only_unclear_rows(monkeypatch):
+    """A row whose best log-prob is strictly above its second takes its best id; a tie (exact, or
+    two scores the log-softmax rounded together), a NaN row and a row with +inf are searched whole
+    — and only those rows."""
+    import engine.model.vocab_search as vs
+    from engine.model.backend import top_logprobs
+
+    torch.manual_seed(0)
+    v = 49152 + 77
+    scores = torch.randn(8, v) * 4
+    scores[1, [900, 30]] = 60.0  # an exact tie: the first id, 30, though topk may list 900 first
+    scores[2] = 0.0  # a flat row (log-probs near -log V) with two best one ulp apart: the
+    scores[2, 7] = 1.0  # log-softmax rounds them to one log-prob, and the row is searched
+    scores[2, 400] = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    scores[3, 5] = float("nan")
+    scores[4, 6] = float("inf")
+    scores[5] = float("-inf")
+    scores[5, 123] = -3.0  # one finite score
+    scores[6, v - 1] = 80.0  # in the tail past the last whole chunk
+    top = top_logprobs(scores)
+    assert top[0][2, 0] == top[0][2, 1] and top[1][2, 0] == 400  # (the case: topk lists 400 first)
+    searched: list[int] = []
+    real = vs.row_max
+    monkeypatch.setattr(vs, "row_max", lambda s: (searched.append(s.shape[0]), real(s))[1])
+    got = vs.first_max_ids(scores, top)
+    assert got[:3] + got[4:] == _first_max(scores[:3]) + _first_max(scores[4:])
+    assert got[1] == 30 and got[2] == 7 and got[4] == 6 and got[5] == 123 and got[6] == v - 1
+    assert searched == [4]  # rows 1, 2, 3 and 4, in one search; the other four from the top
+    assert isinstance(got[0], int)
+
+
+def test_first_max_ids_without_a_usable_top_search_every_row():
+    from engine.model.backend import top_logprobs
+    from engine.model.vocab_search import first_max_ids
+
+    torch.manual_seed(1)
+    scores = torch.randn(3, 1000)
+    want = _first_max(scores)
+    assert first_max_ids(scores) == want
+    assert first_max_ids(scores, top_logprobs(scores, k=1)) == want  # one log-prob a row: no second to compare
+    assert first_max_ids(scores, top_logprobs(scores[:2])) == want  # not this batch's rows
