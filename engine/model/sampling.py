@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.model.vocab_search import row_max
+from engine.model.vocab_search import first_max_ids, row_max
 
 __all__ = ["SamplingParams", "SampleRow", "SampleResult", "TokenCounts", "sample", "sample_rows", "make_generator",
            "unpack_mask"]
@@ -201,9 +201,10 @@ def _gather(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
 
 def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
     """``(len(which),)`` each row's argmax. A row that knows it (a mod's adjusted logits, checked
-    in one pass that found it) takes it; rows of one CPU batch whose forward already sorted its
-    top logits take the first of them (no pass over the vocabulary); a row whose two best are
-    equal takes ``argmax``'s choice (the first such id), as :func:`torch.topk` orders ties freely.
+    in one pass that found it) takes it; rows of one CPU batch whose forward computed its top
+    log-probs take the best of them (no pass over the vocabulary); a row whose two best are
+    equal is searched and takes ``argmax``'s choice (the first such id), as :func:`torch.topk`
+    orders ties freely.
     Only the rows left (logits of their own, such as a prompt fed in chunks and joined) are read
     whole: one such row among many costs one row's pass, not every row's."""
     known = [i for i in which if rows[i].argmax is not None]
@@ -223,21 +224,15 @@ def _argmax(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
     if len(ranked) < len(which):
         taken = set(ranked)
         rest = [i for i in which if i not in taken]
-        return _merged(which, [(ranked, _argmax_of_sorted(rows, ranked)), (rest, row_max(_gather(rows, rest))[1])])
-    return _argmax_of_sorted(rows, which)
+        return _merged(which, [(ranked, _argmax_from_top(rows, ranked)), (rest, row_max(_gather(rows, rest))[1])])
+    return _argmax_from_top(rows, which)
 
 
-def _argmax_of_sorted(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
-    """The argmax of rows of one CPU batch whose forward sorted its top logits: each row's first
-    top id, unless its two best are equal (then a pass over that row's logits)."""
-    values, ids = rows[which[0]].top  # type: ignore[misc]
-    index = torch.tensor([rows[i].source[1] for i in which])  # type: ignore[index]
-    best, second = values.index_select(0, index)[:, 0], values.index_select(0, index)[:, 1]
-    chosen = ids.index_select(0, index)[:, 0].clone()
-    ties = (best == second).nonzero()[:, 0].tolist()  # on the CPU: no device sync to pay
-    if ties:
-        chosen[ties] = row_max(_gather(rows, [which[t] for t in ties]))[1]
-    return chosen
+def _argmax_from_top(rows: Sequence[SampleRow], which: Sequence[int]) -> torch.Tensor:
+    """The argmax of rows of one CPU batch whose forward computed its top log-probs, read off them
+    (a tied row searched whole: :func:`first_max_ids`)."""
+    batch = rows[which[0]].source[0]  # type: ignore[index]
+    return torch.tensor(first_max_ids(batch, rows[which[0]].top, [rows[i].source[1] for i in which]))  # type: ignore[index]
 
 
 def _merged(which: Sequence[int], parts: Sequence[tuple[Sequence[int], torch.Tensor]]) -> torch.Tensor:

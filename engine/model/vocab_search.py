@@ -81,20 +81,26 @@ def array_row_max(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return array[np.arange(array.shape[0]), index], index.astype(np.int64, copy=False)
 
 
-def first_max_ids(scores: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
-    """Each row's first maximum of ``scores (M, V)``, as Python ints: :func:`row_max`'s index.
-    ``top``: the rows' ``k >= 2`` largest log-probabilities ``(M, k)`` and their ids, largest first,
-    when the forward computed them already (a payload records them). A row whose best log-prob is
-    larger than its second's then takes its best id with no pass over its vocabulary: a log-softmax
-    subtracts one number from a whole row, which never reverses two scores' order, so a strictly
-    largest log-prob is the strictly largest score. Only a row whose two best are equal (a tie,
-    or scores so close that the subtraction rounded them together) or NaN is searched whole."""
+def first_max_ids(scores: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  rows: list[int] | None = None) -> list[int]:
+    """Each row's first maximum of ``scores (M, V)`` (``rows``: of those rows only, in that order),
+    as Python ints: :func:`row_max`'s index. ``top``: the rows' ``k >= 2`` largest log-probabilities
+    ``(M, k)`` and their ids, largest first, when the forward computed them already (a payload
+    records them). A row whose best log-prob is larger than its second's then takes its best id
+    with no pass over its vocabulary: a log-softmax subtracts one number from a whole row, which
+    never reverses two scores' order, so a strictly largest log-prob is the strictly largest
+    score. Only a row whose two best are equal (a tie, or scores so close that the subtraction
+    rounded them together) or NaN is searched whole."""
+    which = list(range(scores.shape[0])) if rows is None else rows
     if top is None or top[0].dim() != 2 or top[0].shape[1] < 2 or top[0].shape[0] != scores.shape[0]:
-        return row_max(scores)[1].tolist()
+        return row_max(scores if rows is None else scores[which])[1].tolist()
     values, ids = top
+    if rows is not None:
+        index = torch.tensor(which, device=values.device)
+        values, ids = values.index_select(0, index), ids.index_select(0, index)
     chosen = ids[:, 0].tolist()
     unclear = (~(values[:, 0] > values[:, 1])).nonzero()[:, 0].tolist()  # ties and NaN rows
     if unclear:
-        for row, index in zip(unclear, row_max(scores[unclear])[1].tolist()):
-            chosen[row] = index
+        for j, index in zip(unclear, row_max(scores[[which[j] for j in unclear]])[1].tolist()):
+            chosen[j] = index
     return chosen

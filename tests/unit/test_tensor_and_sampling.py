@@ -131,10 +131,11 @@ def test_known_argmaxes_as_ints_and_as_tensors_mix_in_one_batch():
 
 
 def test_a_row_of_its_own_in_a_greedy_batch_is_read_alone_the_others_take_their_sorted_top(monkeypatch):
-    """A prompt fed in chunks joins the step with logits of its own (no batch, no sorted top): its
-    row is read whole, and only it; the batch's rows still take the first id of the top their
-    forward sorted (a batch row with a tie at the top is read too). Every row gets its argmax."""
+    """A prompt fed in chunks joins the step with logits of its own (no batch, no top log-probs):
+    its row is read whole, and only it; the batch's rows still take the best id of the top their
+    forward computed (a batch row with a tie at the top is read too). Every row gets its argmax."""
     import engine.model.sampling as sampling
+    import engine.model.vocab_search as vocab_search
     from engine.model.backend import top_logprobs
     from engine.model.sampling import SampleRow, sample_rows
 
@@ -148,7 +149,8 @@ def test_a_row_of_its_own_in_a_greedy_batch_is_read_alone_the_others_take_their_
     rows.insert(2, SampleRow(own, greedy, gen))
     passes: list[int] = []
     real_row_max = sampling.row_max
-    monkeypatch.setattr(sampling, "row_max", lambda x: passes.append(x.shape[0]) or real_row_max(x))
+    for module in (sampling, vocab_search):  # the sampler's own searches, and those of first_max_ids
+        monkeypatch.setattr(module, "row_max", lambda x: passes.append(x.shape[0]) or real_row_max(x))
     tokens = [r.token for r in sample_rows(rows)]
     expected = [int(batch[b].argmax()) for b in range(6)]
     expected.insert(2, int(own.argmax()))
