@@ -55,7 +55,7 @@ from .types import ModAction, ModEvent, Noop
 from .validation import InvalidActionError, validate_action
 
 __all__ = ["ModManager", "ModCall", "ModCallTimeout", "ModException", "ModCallStats", "CallRunner",
-           "PendingCall", "dispatch_batch", "run_batch", "abandoned_mod_threads", "mod_name", "stack_of",
+           "PendingCall", "abandoned_mod_threads", "mod_name", "stack_of",
            "ABANDONED_THREAD_NAME"]
 
 log = logging.getLogger("raylens.mods")
@@ -227,8 +227,8 @@ class _Pending:
         self.outcome = (action, exception, rejected, fatal)
 
 
-#: The longest :meth:`CallRunner.close` waits for its worker to end (its after-batch hook takes
-#: milliseconds; a call still running past that is left to its time limit's abandonment).
+#: The longest :meth:`CallRunner.close` waits for its worker to end (a call still running past that
+#: is left to its time limit's abandonment).
 CLOSE_WAIT_S = 1.0
 
 
@@ -243,8 +243,7 @@ class _Worker:
     current call, or at once when idle.
     """
 
-    def __init__(self, after_batch: Callable[[], Any] | None = None) -> None:
-        self._after_batch = after_batch
+    def __init__(self) -> None:
         self._go = threading.Lock()
         self._go.acquire()
         self._finished = threading.Lock()
@@ -270,12 +269,7 @@ class _Worker:
                 context.run(pending.run)
             if self._stopped:
                 return
-            self.running = (-1, time.perf_counter())  # every call returned: the hook's time is no call's
-            if self._after_batch is not None:
-                try:
-                    self._after_batch()
-                except Exception:  # a housekeeping hook never ends the worker
-                    log.exception("the mod worker's after-batch hook failed")
+            self.running = (-1, time.perf_counter())
             self._finished.release()
 
     def submit(self, batch: list[_Pending], context: contextvars.Context) -> None:
@@ -317,19 +311,16 @@ class _Worker:
             pass
 
 
-PendingCall = _Pending  # one call to make (what a step's phases hand :func:`run_batch`)
+PendingCall = _Pending  # one call to make (what a step's phases hand the loop's LoopCalls)
 
 
 class CallRunner:
     """Where mod calls run with a time limit when no step loop makes them (a manager's own
-    :meth:`~ModManager.dispatch`): one worker thread, replaced when a call on it must be abandoned.
-    One runner serves many requests' calls at once (:func:`dispatch_batch`): one thread hand-off
-    for the batch, not one per call. ``after_batch``: called on the worker thread after each batch
-    of calls returned (to give back the OpenMP workers a mod's torch ops may have made that thread
-    hold). (The engine's step loop makes its calls on its own thread: engine/core/loop_calls.py.)"""
+    :meth:`~ModManager.dispatch`): one worker thread, replaced when a call on it must be abandoned;
+    one thread hand-off for all the calls :meth:`run` is given, not one per call. (The engine's
+    step loop makes its calls on its own thread: engine/core/loop_calls.py.)"""
 
-    def __init__(self, after_batch: Callable[[], Any] | None = None) -> None:
-        self._after_batch = after_batch
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
 
@@ -341,7 +332,7 @@ class CallRunner:
             while calls:
                 worker = self._worker
                 if worker is None:
-                    worker = self._worker = _Worker(self._after_batch)
+                    worker = self._worker = _Worker()
                 # a fresh copy each time: an abandoned call may still be running in the last one
                 worker.submit(calls, contextvars.copy_context())
                 try:
@@ -361,9 +352,8 @@ class CallRunner:
         self._worker = None
 
     def close(self) -> None:
-        """Stop the worker, and wait (at most :data:`CLOSE_WAIT_S`) for what it is doing: its
-        after-batch hook may still run after its batch returned, and a daemon thread inside native
-        code when the interpreter exits can abort the process."""
+        """Stop the worker, and wait (at most :data:`CLOSE_WAIT_S`) for what it is doing: a daemon
+        thread inside native code when the interpreter exits can abort the process."""
         with self._lock:
             worker, self._worker = self._worker, None
         if worker is not None:
@@ -506,37 +496,6 @@ class ModManager:
             pass
         return ModCall(name, event_type, step, action, logs, started_at, elapsed_ms, exception, rejected,
                        pending.outcome is None, fatal)
-
-
-def dispatch_batch(jobs: Sequence[tuple[ModManager, ModEvent]], runner: CallRunner, *,
-                   keep_silent: bool = True) -> list[list[ModCall]]:
-    """Every mod of every ``(manager, event)`` job, in order: :func:`run_batch` of each job's
-    :meth:`~ModManager.pending_calls`."""
-    return run_batch([(manager, manager.pending_calls(event)) for manager, event in jobs], runner,
-                     keep_silent=keep_silent)
-
-
-def run_batch(groups: Sequence[tuple[ModManager, list[_Pending]]], runner: CallRunner, *,
-              keep_silent: bool = True) -> list[list[ModCall]]:
-    """Each ``(manager, calls)`` group's calls, in order, with one hand-off to ``runner``'s thread
-    for all the calls that have a time limit (a step of many requests pays one thread switch per
-    phase, not one per call); a manager without a limit calls its mods inline, in turn. Returns
-    each group's records, as :meth:`ModManager.dispatch_traced` would; ``keep_silent`` False leaves
-    out the calls that returned a Noop and printed, logged and raised nothing
-    (:meth:`ModManager.records`)."""
-    segment: list[_Pending] = []
-    for manager, pendings in groups:
-        if manager.call_timeout_s is None:
-            if segment:
-                runner.run(segment)
-                segment = []
-            for pending in pendings:
-                pending.run()
-        else:
-            segment.extend(pendings)
-    if segment:
-        runner.run(segment)
-    return [manager.records(pendings, keep_silent=keep_silent) for manager, pendings in groups]
 
 
 def _timeout_record(timeout: ModCallTimeout, stack: str) -> ModException:

@@ -76,10 +76,10 @@ def test_without_a_limit_mods_run_inline_on_the_calling_thread(limit):
 
 def test_in_a_batch_of_many_requests_each_call_keeps_its_own_limit(release):
     """The runner waits once for a whole batch of calls: a stuck call with a short limit behind a
-    quick call with a long one is still abandoned at its own limit (the dispatch returns while the
+    quick call with a long one is still abandoned at its own limit (the run returns while the
     long limit is far off), the calls after it on its event are skipped, and the other requests'
     calls before and after it run."""
-    from mods.manager import CallRunner, dispatch_batch
+    from mods.manager import CallRunner
 
     def quick(event, tokenizer=None):
         return ForceTokens([event.step])
@@ -92,7 +92,12 @@ def test_in_a_batch_of_many_requests_each_call_keeps_its_own_limit(release):
     last = ModManager([quick], call_timeout_s=600.0)
     runner, out = CallRunner(), []
     jobs = [(patient, Sampled("a", 1, 1)), (hasty, Sampled("b", 2, 1)), (last, Sampled("c", 3, 1))]
-    dispatcher = threading.Thread(target=lambda: out.append(dispatch_batch(jobs, runner)), daemon=True)
+    groups = [(manager, manager.pending_calls(event)) for manager, event in jobs]
+
+    def run() -> None:
+        runner.run([pending for _, pendings in groups for pending in pendings])
+        out.append([manager.records(pendings) for manager, pendings in groups])
+    dispatcher = threading.Thread(target=run, daemon=True)
     dispatcher.start()
     dispatcher.join(timeout=60)  # a bound, far under the patient calls' 600 s
     assert not dispatcher.is_alive(), "the stuck call was not abandoned at its own limit"
@@ -101,26 +106,6 @@ def test_in_a_batch_of_many_requests_each_call_keeps_its_own_limit(release):
     assert len(middle) == 1 and middle[0].timed_out and middle[0].fatal
     assert middle[0].exception.message == f"mod stuck did not return within {LIMIT_S:g} s on Sampled step 2"
     runner.close()
-
-
-def test_the_runners_after_batch_hook_runs_on_the_worker_after_every_batch_and_counts_against_no_call():
-    from mods.manager import CallRunner, dispatch_batch
-
-    seen = []
-
-    def hook():
-        seen.append(threading.current_thread())
-        threading.Event().wait(LIMIT_S * 2)  # longer than any call's limit: still no call's time
-
-    runner = CallRunner(after_batch=hook)
-    manager = ModManager([lambda e, t=None: ForceTokens([1])], call_timeout_s=LIMIT_S)
-    for step in range(2):
-        (calls,) = dispatch_batch([(manager, Sampled("r", step, 1))], runner)
-        assert not calls[0].timed_out and calls[0].action.tokens == [1]
-    assert not abandoned_mod_threads(), "the hook's time was taken for a stuck call"
-    runner.close()
-    assert len(seen) == 2 and seen[0] is seen[1], "one worker thread ran both batches and their hooks"
-    assert seen[0] is not threading.current_thread()
 
 
 class CustomBase(BaseException):

@@ -102,7 +102,7 @@ def test_the_stdout_router_is_installed_once_not_per_call():
 
 
 def test_silent_noops_get_no_record_when_the_caller_asks_but_are_counted():
-    from mods.manager import CallRunner, dispatch_batch
+    from mods.manager import CallRunner
 
     @mod
     def silent(event, actions, tokenizer):
@@ -122,16 +122,23 @@ def test_silent_noops_get_no_record_when_the_caller_asks_but_are_counted():
     quiet = ModManager([silent, silent], call_timeout_s=30.0)
     loud = ModManager([silent, printing, acting, raising, silent], call_timeout_s=30.0)
     inline = ModManager([silent, acting], call_timeout_s=None)
+    jobs = [(quiet, Sampled("a", 0, 1)), (loud, Sampled("b", 0, 1)), (inline, Sampled("c", 0, 1))]
     runner = CallRunner()
+
+    def made(keep_silent: bool) -> list[list]:
+        groups = [(manager, manager.pending_calls(event)) for manager, event in jobs]
+        runner.run([pending for manager, pendings in groups[:2] for pending in pendings])  # with a limit
+        for pending in groups[2][1]:
+            pending.run()  # no limit: inline
+        return [manager.records(pendings, keep_silent=keep_silent) for manager, pendings in groups]
     try:
-        jobs = [(quiet, Sampled("a", 0, 1)), (loud, Sampled("b", 0, 1)), (inline, Sampled("c", 0, 1))]
-        kept = dispatch_batch(jobs, runner, keep_silent=False)
+        kept = made(keep_silent=False)
         assert kept[0] == []
         assert [c.mod_name for c in kept[1]] == ["printing", "acting", "raising"]
         assert [c.mod_name for c in kept[2]] == ["acting"]
         assert (quiet.call_stats.calls, loud.call_stats.calls, inline.call_stats.calls) == (2, 5, 2)
         assert loud.call_stats.errors == 1
-        everything = dispatch_batch(jobs, runner)  # the default: a record for every call
+        everything = made(keep_silent=True)  # the default: a record for every call
         assert [len(calls) for calls in everything] == [2, 5, 2]
         assert all(isinstance(c.action, Noop) and not c.noteworthy for c in everything[0])
     finally:

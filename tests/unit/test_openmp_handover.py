@@ -154,24 +154,16 @@ def test_an_idle_step_loop_holds_no_openmp_workers():
     assert box["idle_again"] < box["busy"], box
 
 
-# A manager's own mod worker: the engine's host copy of a step's logits takes no OpenMP team there, and a team
-# a mod's own torch ops made is given back after each batch by the runner's after-batch hook.
+# A manager's own mod worker: the engine's host copy of a step's logits takes no OpenMP team there.
 _MODS_PROBE = """
-import json, os, threading, time
+import json, os
 import torch
-from engine.model.openmp import release_thread_team
 from engine.model.tensor import HostLogits
-from mods.manager import CallRunner, ModManager, dispatch_batch
+from mods.manager import ModManager
 from mods.types import Sampled
 
 def threads():
     return len(os.listdir("/proc/self/task"))
-
-def settle(limit):
-    deadline = time.monotonic() + 10  # released workers exit on their own
-    while threads() > limit and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return threads()
 
 logits = torch.randn(64, 49_152)  # a step's batch of logits (float32, CPU)
 box = {}
@@ -185,27 +177,22 @@ def parallel_torch(event, tokenizer=None):
     box["during"] = threads()
     return None
 
-for name, hook in (("released", release_thread_team), ("kept", None)):
-    runner = CallRunner(after_batch=hook)
-    dispatch_batch([(ModManager([lambda e, t=None: None], call_timeout_s=30.0), Sampled("r", 0, 1))], runner)
-    base = threads()  # the worker thread exists now, with no team
-    dispatch_batch([(ModManager([reads_logits], call_timeout_s=30.0), Sampled("r", 0, 1))], runner)
-    box[name + "_after_copy"] = threads() - base
-    dispatch_batch([(ModManager([parallel_torch], call_timeout_s=30.0), Sampled("r", 0, 1))], runner)
-    box[name + "_made"] = box["during"] - base
-    box[name + "_after_torch"] = settle(base) - base
-    runner.close()
-    for worker in [t for t in threading.enumerate() if t.name == "raylens-mod-call"]:
-        worker.join(10)  # gone before the next round counts its threads
-    release_thread_team()
+manager = ModManager([lambda e, t=None: None], call_timeout_s=30.0)
+manager.dispatch(Sampled("r", 0, 1))
+base = threads()  # the manager's worker thread exists now, with no team
+manager.mods = [reads_logits]
+manager.dispatch(Sampled("r", 1, 1))
+box["after_copy"] = threads() - base
+manager.mods = [parallel_torch]
+manager.dispatch(Sampled("r", 2, 1))
+box["made"] = box["during"] - base
+manager.close()
 print(json.dumps(box))
 """
 
 
 @NEEDS_OPENMP
-def test_the_mods_thread_holds_no_openmp_team_after_a_batch():
+def test_the_host_copy_of_the_logits_makes_no_openmp_team_on_a_mods_thread():
     box = _probe(_MODS_PROBE)
-    assert box["lent"] and box["kept_after_copy"] == box["released_after_copy"] == 0, box  # the copy made none
-    assert box["released_made"] > 0 and box["kept_made"] > 0, box  # positive control: the mod's op made them
-    assert box["released_after_torch"] == 0, box  # given back after the batch
-    assert box["kept_after_torch"] > 0, box  # without the hook the team stays
+    assert box["lent"] and box["after_copy"] == 0, box  # the copy made none
+    assert box["made"] > 0, box  # positive control: a mod's own parallel op on that thread makes one
