@@ -101,6 +101,6 @@ def first_max_ids(scores: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] |
     chosen = ids[:, 0].tolist()
     unclear = (~(values[:, 0] > values[:, 1])).nonzero()[:, 0].tolist()  # ties and NaN rows
     if unclear:
-        for j, index in zip(unclear, row_max(scores[[which[j] for j in unclear]])[1].tolist()):
-            chosen[j] = index
+        for j, found in zip(unclear, row_max(scores[[which[j] for j in unclear]])[1].tolist()):
+            chosen[j] = found
     return chosen
