@@ -168,7 +168,8 @@ class ScriptedBackend:
         # what its rows ask besides their logits, as a model runner computes it: the payload's top
         # log-probs, the greedy argmax (each row's first maximum)
         top = top_logprobs(stacked) if any(r.top for r in batch.rows) else None
-        argmax = row_max(stacked)[1].tolist() if any(r.argmax for r in batch.rows) else None
+        argmax = ([found if row.argmax else None for found, row in zip(row_max(stacked)[1].tolist(), batch.rows)]
+                  if any(r.argmax for r in batch.rows) else None)
         return ForwardOutput(stacked, top, tuple(RowCapture() for _ in batch.rows), argmax=argmax)
 
     def _sequence_of(self, row: Any) -> dict[str, Any]:

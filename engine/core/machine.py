@@ -90,7 +90,6 @@ class RequestMachine:
         # a top-k over the vocabulary, which nothing else in a step needs (a greedy draw reads the
         # row's argmax)
         self._wants_top = state.request.payload_top_tokens
-        self._runner_argmax = False  # its last row asked the runner for its argmax (forward_row)
         # no mod and no listener: nothing sees its step events as they happen, so each step is a
         # compact trace entry (fast_step / fast_sample) and its events are made after it finished
         self.fast = self._mod_free and state.on_event is None
@@ -208,10 +207,10 @@ class RequestMachine:
         # its draw is the row's argmax, found by the runner with the forward: nothing changes the row
         # before the draw, or its one mod may only hand back logits of its own (the row is then lent
         # to it in place, _in_place, and drawn from as it was before the mod could write into it)
-        self._runner_argmax = ((self._mod_free and self._plain_greedy
-                                and len(state.generated) >= state.request.min_tokens) or self._in_place())
+        argmax = ((self._mod_free and self._plain_greedy and len(state.generated) >= state.request.min_tokens)
+                  or self._in_place())
         return ForwardRow(state.request_id, start, tuple(tokens), self._plans[prefill], steer, layer, table,
-                          self._wants_top, self._runner_argmax)
+                          self._wants_top, argmax)
 
     def reuse_prefix(self, length: int, captured: RowCapture) -> None:
         """The prompt's first ``length`` positions came from the prefix cache with the internals
@@ -244,7 +243,7 @@ class RequestMachine:
             # one host copy of the step's logits for every mod; its row lent in place when the
             # runner found its argmax (for a request with mods, asked only when _in_place held):
             # the draw, unless the mod hands back logits of its own
-            self._host = output.host_logits(self._runner_argmax and output.argmax is not None)
+            self._host = output.host_logits(output.argmax is not None)
             self._host_row = source[1] if source is not None else -1
         self._report_forward(row)
         if state.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
@@ -458,7 +457,7 @@ class RequestMachine:
         source = output.source if plan.logits is None else None  # type: ignore[union-attr]
         logits = None if source is not None else plan.logits if plan.logits is not None else output.logits  # type: ignore[union-attr]
         argmax = plan.argmax
-        if argmax is None and source is not None and self._runner_argmax:  # found with the forward,
+        if argmax is None and source is not None:  # found with the forward when the row asked,
             argmax = output.argmax  # type: ignore[union-attr]  # before any mod could write into the row
         if not (params.needs_history or params.needs_generated):
             return SampleRow(logits, params, state.generator, None, request.logprobs, None, suppress, mask, source,

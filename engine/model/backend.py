@@ -196,7 +196,7 @@ class RowOutput:
 
     @property
     def argmax(self) -> int | None:
-        """The row's first maximum, when its runner found it (:attr:`ForwardRow.argmax`)."""
+        """The row's first maximum, when its runner found it (it asked: :attr:`ForwardRow.argmax`)."""
         found = self._batch.argmax if self._batch is not None else None
         return None if found is None else found[self.index]
 
@@ -226,8 +226,9 @@ class ForwardOutput:
     captured: tuple[RowCapture, ...]
     host: Any = field(default=None, compare=False, repr=False)  # HostLogits, once a row's mods may read it
     scores: tuple[TokenScores | None, ...] | None = None  # per row, for rows fed with targets
-    # each row's first maximum (Python ints), found when a row asked (ForwardRow.argmax), on a CPU
-    argmax: list[int] | None = None
+    # on a CPU, the first maximum (a Python int) of each row that asked (ForwardRow.argmax), None
+    # for each row that did not (its draw may not be its argmax); None when no row asked
+    argmax: list[int | None] | None = None
 
     def rows(self) -> list[RowOutput]:
         return [RowOutput(None, c, None, batch=self, index=b) for b, c in enumerate(self.captured)]

@@ -58,13 +58,16 @@ __all__ = ["HuggingFaceBackend"]
 log = logging.getLogger("raylens.backend")
 
 
-def _asked_argmax(logits: torch.Tensor, rows: Sequence[ForwardRow], top: tuple[Any, Any] | None) -> list[int] | None:
-    """Each row's first maximum of a forward's ``logits (B, V)`` when one of its ``rows`` asked
-    (``ForwardRow.argmax``), on a CPU; None elsewhere (a GPU's sampler finds its own, with no host
-    read here). ``top``: the batch's top log-probs when the forward computed them (payloads sent,
+def _asked_argmax(logits: torch.Tensor, rows: Sequence[ForwardRow],
+                  top: tuple[Any, Any] | None) -> list[int | None] | None:
+    """The first maximum of a forward's ``logits (B, V)`` of each of its ``rows`` that asked
+    (``ForwardRow.argmax``; None for a row that did not), on a CPU; None when no row asked, and
+    elsewhere (a GPU's sampler finds its own, with no host read here). ``top``: the batch's top log-probs when the forward computed them (payloads sent,
     or log-probs asked for), which give every row's argmax but a tied one's with no second pass
     over the vocabulary (at 64 rows × 49,152: 0.02 ms against the pass's 0.3-0.6)."""
-    return first_max_ids(logits, top) if logits.device.type == "cpu" and any(r.argmax for r in rows) else None
+    if logits.device.type != "cpu" or not any(r.argmax for r in rows):
+        return None
+    return [found if row.argmax else None for found, row in zip(first_max_ids(logits, top), rows)]
 
 
 class HuggingFaceBackend:
@@ -201,7 +204,7 @@ class HuggingFaceBackend:
                    torch.cat([p[1] for p in parts]).index_select(0, inverse))
         argmax = None
         if any(o.argmax is not None for o in outs):
-            found = [a for o in outs for a in (o.argmax if o.argmax is not None else first_max_ids(o.logits, o.top))]
+            found = [a for o in outs for a in (o.argmax if o.argmax is not None else [None] * len(o.captured))]
             argmax = [found[position] for position in inverse.tolist()]
         joined = [c for o in outs for c in o.captured]  # in group order
         joined_scores = [s for o in outs for s in (o.scores or (None,) * len(o.captured))]
