@@ -62,9 +62,10 @@ def _asked_argmax(logits: torch.Tensor, rows: Sequence[ForwardRow],
                   top: tuple[Any, Any] | None) -> list[int | None] | None:
     """The first maximum of a forward's ``logits (B, V)`` of each of its ``rows`` that asked
     (``ForwardRow.argmax``; None for a row that did not), on a CPU; None when no row asked, and
-    elsewhere (a GPU's sampler finds its own, with no host read here). ``top``: the batch's top log-probs when the forward computed them (payloads sent,
-    or log-probs asked for), which give every row's argmax but a tied one's with no second pass
-    over the vocabulary (at 64 rows × 49,152: 0.02 ms against the pass's 0.3-0.6)."""
+    elsewhere (a GPU's sampler finds its own, with no host read here). ``top``: the batch's top
+    log-probs when the forward computed them (payloads sent, or log-probs asked for), which give
+    every row's argmax but a tied one's with no second pass over the vocabulary (at 64 rows ×
+    49,152: 0.02 ms against the pass's 0.3-0.6)."""
     if logits.device.type != "cpu" or not any(r.argmax for r in rows):
         return None
     return [found if row.argmax else None for found, row in zip(first_max_ids(logits, top), rows)]
