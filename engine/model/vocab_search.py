@@ -91,16 +91,16 @@ def first_max_ids(scores: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] |
     never reverses two scores' order, so a strictly largest log-prob is the strictly largest
     score. Only a row whose two best are equal (a tie, or scores so close that the subtraction
     rounded them together) or NaN is searched whole."""
-    which = list(range(scores.shape[0])) if rows is None else rows
     if top is None or top[0].dim() != 2 or top[0].shape[1] < 2 or top[0].shape[0] != scores.shape[0]:
-        return row_max(scores if rows is None else scores[which])[1].tolist()
+        return row_max(scores if rows is None else scores[rows])[1].tolist()
     values, ids = top
     if rows is not None:
-        index = torch.tensor(which, device=values.device)
+        index = torch.tensor(rows, device=values.device)
         values, ids = values.index_select(0, index), ids.index_select(0, index)
     chosen = ids[:, 0].tolist()
     unclear = (~(values[:, 0] > values[:, 1])).nonzero()[:, 0].tolist()  # ties and NaN rows
     if unclear:
-        for j, found in zip(unclear, row_max(scores[[which[j] for j in unclear]])[1].tolist()):
+        searched = scores[unclear if rows is None else [rows[j] for j in unclear]]
+        for j, found in zip(unclear, row_max(searched)[1].tolist()):
             chosen[j] = found
     return chosen
