@@ -100,6 +100,7 @@ class RequestMachine:
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
         self._host_row = -1  # this request's row in it
         self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
+        self._handed_back = False  # its mod handed back logits of its own last step (forward_row)
         self._calls: LoopCalls | None = None  # the loop's runner (start): the loop drives its Prefilled
         self._forward_index = -1  # the payload index of the step's ForwardPass (forward_calls)
         self._unsampled: StepPlan | None = None  # a step that adds tokens without a sample (after_forward)
@@ -209,8 +210,12 @@ class RequestMachine:
         # to it in place, _in_place, and drawn from as it was before the mod could write into it)
         argmax = ((self._mod_free and self._plain_greedy and len(state.generated) >= state.request.min_tokens)
                   or self._in_place())
+        # a mod that handed back logits of its own last step likely does again, and then the argmax
+        # found before it is never read: the runner may leave it to be found only if it is
+        # (RowOutput.deferred_argmax; with top log-probs it is read off them, nearly free)
+        defer = argmax and self._handed_back and not self._mod_free and not self._wants_top
         return ForwardRow(state.request_id, start, tuple(tokens), self._plans[prefill], steer, layer, table,
-                          self._wants_top, argmax)
+                          self._wants_top, argmax, defer_argmax=defer)
 
     def reuse_prefix(self, length: int, captured: RowCapture) -> None:
         """The prompt's first ``length`` positions came from the prefix cache with the internals
@@ -243,7 +248,7 @@ class RequestMachine:
             # one host copy of the step's logits for every mod; its row lent in place when the
             # runner found its argmax (for a request with mods, asked only when _in_place held):
             # the draw, unless the mod hands back logits of its own
-            self._host = output.host_logits(output.argmax is not None)
+            self._host = output.host_logits(output.argmax is not None or output.argmax_deferred)
             self._host_row = source[1] if source is not None else -1
         self._report_forward(row)
         if state.status in (RequestStatus.WAITING, RequestStatus.PREFILLING):
@@ -256,7 +261,8 @@ class RequestMachine:
 
     def _in_place(self) -> bool:
         """Whether nothing reads this step's row of the logits after its mods but the draw (its
-        argmax, which the runner finds with the forward), so that the mods may be lent the row itself
+        argmax, which the runner finds with the forward, or later in the logits recomputed when its
+        mod handed a row back the step before), so that the mods may be lent the row itself
         (:meth:`HostLogits.share`): one mod
         (the only reader: no listener, a result that does not keep logits), and a draw that is
         the row's argmax unless a mod returns logits of its own — greedy, nothing applied before
@@ -308,6 +314,7 @@ class RequestMachine:
         state = self.state
         calls = state.manager.records(made, keep_silent=False) if made else []
         plan = self.actions.apply_forward_pass_actions(self._items(self._forward_index, calls))
+        self._handed_back = plan.logits is not None
         if state.finish is not None:
             return None
         if plan.unchecked is not None:  # the row a mod handed back is checked just before the draw
@@ -459,6 +466,10 @@ class RequestMachine:
         argmax = plan.argmax
         if argmax is None and source is not None:  # found with the forward when the row asked,
             argmax = output.argmax  # type: ignore[union-attr]  # before any mod could write into the row
+            # left to be found, and the mod that may have written into the row did not hand it back
+            if argmax is None and self._host is not None and self._host.was_lent(self._host_row) \
+                    and output.argmax_deferred:  # type: ignore[union-attr]
+                argmax = output.deferred_argmax()  # type: ignore[union-attr]
         if not (params.needs_history or params.needs_generated):
             return SampleRow(logits, params, state.generator, None, request.logprobs, None, suppress, mask, source,
                              output.batch_top if source is not None else None, argmax)  # type: ignore[union-attr]

@@ -17,17 +17,17 @@ internals per :class:`~engine.model.capture.RowCapture`. Tensors stay on the mod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from engine.config import BackendConfig
 from engine.model.capture import CapturePlan, RowCapture
 from engine.model.hook_names import BLOCK_HOOKS, GLOBAL_HOOKS, HookSet
-from engine.model.vocab_search import vocab_topk_ids
+from engine.model.vocab_search import first_max_ids, vocab_topk_ids
 
 __all__ = ["Backend", "ModelInfo", "KVLayout", "ForwardRow", "ForwardBatch", "ForwardOutput", "RowOutput", "TokenScores",
-           "ForwardRecord", "FORWARD_TOP_K", "top_logprobs", "vocab_topk_ids"]
+           "ForwardRecord", "DeferredArgmax", "FORWARD_TOP_K", "top_logprobs", "vocab_topk_ids"]
 
 # Every forward's most likely next tokens, which observability payloads record per ForwardPass.
 # Computed once for the whole batch (inside the replayed graph on a GPU): per request, a
@@ -108,6 +108,10 @@ class ForwardRow:
     # output then carries each target's log-prob (and the ``score_top_k`` best alternatives)
     targets: tuple[int, ...] | None = None
     score_top_k: int = 0
+    # with ``argmax``: its mod handed the row back last step, so the argmax found before the mod is
+    # likely never read; a runner that can recompute the batch's logits may leave it unfound
+    # (ForwardOutput.deferred), which saves a pass over the row's vocabulary each step
+    defer_argmax: bool = False
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,18 @@ class RowOutput:
         return None if found is None else found[self.index]
 
     @property
+    def argmax_deferred(self) -> bool:
+        """Its runner left its asked-for argmax unfound (:attr:`ForwardRow.defer_argmax`):
+        :meth:`deferred_argmax` finds it from the logits recomputed."""
+        batch = self._batch
+        return batch is not None and batch.deferred is not None and self.index in batch.deferred.rows
+
+    def deferred_argmax(self) -> int:
+        """The first maximum of the row as its forward made it, though the row itself may hold a
+        mod's writes since (:class:`DeferredArgmax`); only for a row whose argmax was deferred."""
+        return self._batch.deferred.argmax(self.index)  # type: ignore[union-attr]
+
+    @property
     def batch_top(self) -> tuple[Any, Any] | None:
         """The whole batch's ``(values (B, k), ids (B, k))`` top log-probs, when computed."""
         return self._batch.top if self._batch is not None else None
@@ -229,9 +245,31 @@ class ForwardOutput:
     # on a CPU, the first maximum (a Python int) of each row that asked (ForwardRow.argmax), None
     # for each row that did not (its draw may not be its argmax); None when no row asked
     argmax: list[int | None] | None = None
+    deferred: "DeferredArgmax | None" = field(default=None, compare=False, repr=False)
 
     def rows(self) -> list[RowOutput]:
         return [RowOutput(None, c, None, batch=self, index=b) for b, c in enumerate(self.captured)]
+
+
+class DeferredArgmax:
+    """The argmax of rows a runner left unfound (:attr:`ForwardRow.defer_argmax`), found on demand
+    from the batch's logits recomputed exactly as its forward made them (the same head on the
+    same input), since the rows themselves may hold what a mod lent them in place wrote since. A
+    row's mod that hands it back (the usual edit-and-return) makes its draw the argmax of what it
+    handed back, and then nothing is recomputed; one that does not costs the batch one head
+    multiplication and one search, for every deferred row together, once."""
+
+    __slots__ = ("rows", "_recompute", "_found")
+
+    def __init__(self, rows: frozenset[int], recompute: Callable[[], torch.Tensor]) -> None:
+        self.rows, self._recompute = rows, recompute
+        self._found: dict[int, int] | None = None
+
+    def argmax(self, row: int) -> int:
+        if self._found is None:
+            order = sorted(self.rows)
+            self._found = dict(zip(order, first_max_ids(self._recompute(), rows=order)))
+        return self._found[row]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 
 from engine.config import BackendConfig
 from engine.errors import ContextOverflowError, InvalidRequestError
-from engine.model.backend import ForwardBatch, ForwardOutput, ForwardRow, KVLayout, ModelInfo, top_logprobs
+from engine.model.backend import DeferredArgmax, ForwardBatch, ForwardOutput, ForwardRow, KVLayout, ModelInfo, top_logprobs
 from engine.model.scoring import score_positions
 from engine.model.capture import (
     CAPTURE_KWARG,
@@ -44,6 +44,7 @@ from engine.model.compile_cache import use_compile_cache
 from engine.model.devices import resolve_device, resolve_dtype
 from engine.model.gathered_rows import GatheredRows
 from engine.model.graphs import GraphKey, StaticDecode, batch_bucket, length_bucket
+from engine.model.head_replay import HeadReplay
 from engine.model.hook_names import resid_post
 from engine.model.kv_cache import BatchCacheView, PagedKVCache, cache_argument
 from engine.model.loading import load_model_and_tokenizer
@@ -58,22 +59,37 @@ __all__ = ["HuggingFaceBackend"]
 log = logging.getLogger("raylens.backend")
 
 
-def _asked_argmax(logits: torch.Tensor, rows: Sequence[ForwardRow],
-                  top: tuple[Any, Any] | None) -> list[int | None] | None:
+def _asked_argmax(logits: torch.Tensor, rows: Sequence[ForwardRow], top: tuple[Any, Any] | None,
+                  replay: HeadReplay | None = None) -> tuple[list[int | None] | None, DeferredArgmax | None]:
     """The first maximum of a forward's ``logits (B, V)`` of each of its ``rows`` that asked
     (``ForwardRow.argmax``; None for a row that did not), on a CPU; None when no row asked, and
     elsewhere (a GPU's sampler finds its own, with no host read here). ``top``: the batch's top
     log-probs when the forward computed them (payloads sent, or log-probs asked for), which give
     every row's argmax but a tied one's with no second pass over the vocabulary (at 64 rows ×
-    49,152: 0.02 ms against the pass's 0.3-0.6)."""
+    49,152: 0.02 ms against the pass's 0.3-0.6). With ``replay`` (an eager forward's head input
+    kept), the rows that may defer theirs (``ForwardRow.defer_argmax``) are left None and found on
+    demand (the second value; :mod:`engine.model.head_replay`)."""
     if logits.device.type != "cpu" or not any(r.argmax for r in rows):
-        return None
-    return [found if row.argmax else None for found, row in zip(first_max_ids(logits, top), rows)]
+        return None, None
+    deferred = None
+    if replay is not None and top is None:
+        later = frozenset(b for b, r in enumerate(rows) if r.argmax and r.defer_argmax)
+        deferred = replay.deferred(logits, later) if later else None
+    if deferred is None:
+        return [found if row.argmax else None for found, row in zip(first_max_ids(logits, top), rows)], None
+    now = [b for b, r in enumerate(rows) if r.argmax and b not in deferred.rows]
+    if not now:
+        return [None] * len(rows), deferred
+    # a few rows are gathered and searched; most of the batch is searched in place
+    found = first_max_ids(logits, None, now) if 2 * len(now) < len(rows) else first_max_ids(logits)
+    picked = dict(zip(now, found)) if len(found) == len(now) else {b: found[b] for b in now}
+    return [picked.get(b) for b in range(len(rows))], deferred
 
 
 class HuggingFaceBackend:
     def __init__(self, config: BackendConfig | None = None) -> None:
         self.model: Any = None
+        self._head_replay: HeadReplay | None = None
         if config is not None:
             self.load_model(config.model_id, config)
 
@@ -133,6 +149,9 @@ class HuggingFaceBackend:
         # on a CPU with no paged kernel, the rows an eager forward gathers are kept for the next
         # (engine/model/gathered_rows.py): each decode step then copies only the newest positions
         self._gathered = GatheredRows(self.cache) if self.device.type == "cpu" and self.paged_kernel is None else None
+        # on a CPU, an eager forward's head input is kept so that its logits can be recomputed: a row
+        # whose mod hands it back each step then needs no argmax before its mod (engine/model/head_replay.py)
+        self._head_replay = HeadReplay(self.model) if self.device.type == "cpu" and not self._static_decode else None
         self._graphs: dict[GraphKey, StaticDecode] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self._graph_capture else None
         self.graph_stats = {"static_steps": 0, "eager_steps": 0, "graphs": 0}
@@ -207,6 +226,11 @@ class HuggingFaceBackend:
         if any(o.argmax is not None for o in outs):
             found = [a for o in outs for a in (o.argmax if o.argmax is not None else [None] * len(o.captured))]
             argmax = [found[position] for position in inverse.tolist()]
+            # a row whose argmax its group deferred is searched now: the joined logits are a copy
+            missing = [i for i, row in enumerate(rows) if row.argmax and argmax[i] is None]
+            if missing:
+                for i, best in zip(missing, first_max_ids(logits, None, missing)):
+                    argmax[i] = best
         joined = [c for o in outs for c in o.captured]  # in group order
         joined_scores = [s for o in outs for s in (o.scores or (None,) * len(o.captured))]
         captured: list[Any] = [None] * len(order)
@@ -244,7 +268,7 @@ class HuggingFaceBackend:
                          for b, row in enumerate(rows))
         logits = out.logits[:len(rows)]
         top = tuple(t[:len(rows)] for t in out.top)
-        return ForwardOutput(logits, top, captured, argmax=_asked_argmax(logits, rows, top))
+        return ForwardOutput(logits, top, captured, argmax=_asked_argmax(logits, rows, top)[0])
 
     def _run(self, rows: Sequence[ForwardRow]) -> ForwardOutput:
         """One forward of ``rows`` (each ``q_b`` tokens, left-padded to the longest)."""
@@ -283,6 +307,8 @@ class HuggingFaceBackend:
             paged = PagedBatch.for_rows(self.paged_kernel, view.tables, starts, lengths, view.read_index)
             cache = PagedCacheView(self.cache, view.write_index, paged)
             kwargs[PAGED_KWARG] = paged
+        if self._head_replay is not None:
+            self._head_replay.start()
         with torch.inference_mode(), self._steering(rows):
             try:
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
@@ -293,12 +319,12 @@ class HuggingFaceBackend:
                 raise
             logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
             top = top_logprobs(logits) if any(r.top for r in rows) else None
-            argmax = _asked_argmax(logits, rows, top)
+            argmax, deferred = _asked_argmax(logits, rows, top, self._head_replay)
             scores = tuple(score_positions(out.logits[b, q - len(r.tokens):], r.targets, r.score_top_k)  # type: ignore[arg-type]
                            for b, r in enumerate(rows)) if scoring else None
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}
         captured = split_rows(out, plans, capture, hidden_index, [s + n for s, n in zip(starts, lengths)], lengths)
-        return ForwardOutput(logits, top, tuple(captured), scores=scores, argmax=argmax)
+        return ForwardOutput(logits, top, tuple(captured), scores=scores, argmax=argmax, deferred=deferred)
 
     @contextlib.contextmanager
     def _steering(self, rows: Sequence[ForwardRow]):

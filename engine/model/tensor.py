@@ -21,9 +21,11 @@ A row that nothing reads after its one mod but the draw (:meth:`HostLogits.share
 listener, logits not kept, a plain greedy draw) is not copied at all on a CPU: its first
 ``to_numpy()`` is the batch's own row. What its mod writes there, the engine never reads (the
 step's greedy choice is the row's argmax, which the runner found with the forward, before any mod
-ran: :attr:`~engine.model.backend.ForwardOutput.argmax`), unless the mod hands the row back as
-``AdjustedLogits``; only the mod's own later reads of the row in that step see its writes. At 64
-concurrent requests that is 12 MB a step neither copied nor written.
+ran: :attr:`~engine.model.backend.ForwardOutput.argmax` — or, for a row whose mod handed a row back
+the step before, finds only if the mod does not hand this one back, in the batch's logits
+recomputed as the forward made them: :mod:`engine.model.head_replay`), unless the mod hands the
+row back as ``AdjustedLogits``; only the mod's own later reads of the row in that step see its
+writes. At 64 concurrent requests that is 12 MB a step neither copied nor written.
 """
 
 from __future__ import annotations
