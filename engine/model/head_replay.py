@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from typing import Any
 
 import torch
+import torch.nn.modules.module as module_hooks
 
 from engine.model.backend import DeferredArgmax
 
@@ -32,26 +34,36 @@ log = logging.getLogger("raylens.backend")
 
 
 class HeadReplay:
-    """Keeps the input the model's output head got in the newest forward (a pre-hook on it)."""
+    """Keeps the input the model's output head got in the forward now running (a pre-hook on
+    the head, which keeps only what the thread that armed it runs: a caller's own reference
+    forward on another thread is not mistaken for the engine's)."""
 
     def __init__(self, model: Any) -> None:
         self._head = model.get_output_embeddings()
         self._input: torch.Tensor | None = None
+        self._thread: int | None = None  # the thread whose forward's head input is kept
         self.exact: bool | None = None  # the recomputed logits equal the forward's (None: not compared yet)
         self._hook = self._head.register_forward_pre_hook(self._keep) if self._head is not None else None
 
     def _keep(self, module: Any, args: tuple[Any, ...]) -> None:
-        self._input = args[0] if args else None
+        if threading.get_ident() == self._thread:
+            self._input = args[0] if args else None
 
-    def start(self) -> None:
-        """A forward begins: what the last one's head got is no longer this one's."""
-        self._input = None
+    def arm(self) -> None:
+        """This thread's next forward begins: its head's input is kept."""
+        self._input, self._thread = None, threading.get_ident()
+
+    def disarm(self) -> None:
+        """The forward is over: nothing is kept past it (a scored prompt's head input is the size
+        of its whole hidden state)."""
+        self._input = self._thread = None
 
     def deferred(self, logits: torch.Tensor, rows: frozenset[int]) -> DeferredArgmax | None:
         """What finds ``rows``' argmax of ``logits (B, V)`` (the forward just made, untouched yet)
         later, or None when it cannot be recomputed exactly (those rows are then searched now)."""
         head_input = self._input
-        if head_input is None or self.exact is False or not isinstance(head_input, torch.Tensor):
+        if head_input is None or self.exact is False or not isinstance(head_input, torch.Tensor) \
+                or not self._head_alone():
             return None
         recompute = functools.partial(_recompute, self._head, head_input)
         if self.exact is None:
@@ -61,6 +73,14 @@ class HeadReplay:
                          "mod is searched before its mod runs")
                 return None
         return DeferredArgmax(rows, recompute)
+
+    def _head_alone(self) -> bool:
+        """No hook but this one on the head, nor any global module hook: nothing (a tap writing
+        ``unembed.hook_in`` or ``hook_out``) changed what the head got or gave in this forward
+        in a way a recomputation would miss."""
+        head = self._head
+        return (len(head._forward_pre_hooks) == 1 and not head._forward_hooks
+                and not module_hooks._global_forward_hooks and not module_hooks._global_forward_pre_hooks)
 
     def close(self) -> None:
         if self._hook is not None:

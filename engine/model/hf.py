@@ -307,8 +307,9 @@ class HuggingFaceBackend:
             paged = PagedBatch.for_rows(self.paged_kernel, view.tables, starts, lengths, view.read_index)
             cache = PagedCacheView(self.cache, view.write_index, paged)
             kwargs[PAGED_KWARG] = paged
-        if self._head_replay is not None:
-            self._head_replay.start()
+        replay = self._head_replay
+        if replay is not None:
+            replay.arm()
         with torch.inference_mode(), self._steering(rows):
             try:
                 out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
@@ -316,10 +317,14 @@ class HuggingFaceBackend:
             except BaseException:
                 if self._gathered is not None:  # its layers were left half refreshed
                     self._gathered.forget()
+                if replay is not None:
+                    replay.disarm()
                 raise
             logits = out.logits[:, -1].float()  # (B, V): the last column is every row's newest real token
             top = top_logprobs(logits) if any(r.top for r in rows) else None
-            argmax, deferred = _asked_argmax(logits, rows, top, self._head_replay)
+            argmax, deferred = _asked_argmax(logits, rows, top, replay)
+            if replay is not None:
+                replay.disarm()
             scores = tuple(score_positions(out.logits[b, q - len(r.tokens):], r.targets, r.score_top_k)  # type: ignore[arg-type]
                            for b, r in enumerate(rows)) if scoring else None
         hidden_index = {layer: hidden_states_index(layer) for layer in hidden_layers}

@@ -175,7 +175,7 @@ def test_the_head_replay_refuses_a_model_whose_logits_are_not_its_heads_output()
     model = Tiny()
     x = torch.randn(4, 1, 8)
     replay = HeadReplay(model)
-    replay.start()
+    replay.arm()
     logits = model(x)[:, -1].float()
     deferred = replay.deferred(logits, frozenset({0, 2}))
     assert replay.exact is True and deferred is not None
@@ -183,16 +183,57 @@ def test_the_head_replay_refuses_a_model_whose_logits_are_not_its_heads_output()
     logits.fill_(0.0)  # what a mod lent the rows in place might leave: the recomputed logits do not see it
     assert [deferred.argmax(0), deferred.argmax(2)] == [expected[0], expected[2]]
 
+    replay.close()
     model.scale = 2.0
     other = HeadReplay(model)
-    other.start()
+    other.arm()
     scaled = model(x)[:, -1].float()
     assert other.deferred(scaled, frozenset({1})) is None and other.exact is False
-    other.start()
+    other.arm()
     model(x)
     assert other.deferred(scaled, frozenset({1})) is None  # not compared again
-    replay.close(), other.close()
+    other.close()
     assert not model.head._forward_pre_hooks
+
+
+def test_the_head_replay_keeps_only_the_arming_threads_forward():
+    """A forward another thread runs meanwhile (a caller's reference forward) is not taken for
+    the engine's; once disarmed, nothing is kept."""
+    head = torch.nn.Linear(8, 16, bias=False)
+    model = type("Tiny", (), {"get_output_embeddings": lambda self: head})()
+    replay = HeadReplay(model)
+    replay.arm()
+    x = torch.randn(2, 1, 8)
+    other = threading.Thread(target=lambda: head(x))
+    other.start(), other.join()
+    logits = torch.nn.functional.linear(x, head.weight)[:, -1]  # (not through the head module)
+    assert replay.deferred(logits, frozenset({0})) is None  # its own thread ran no forward yet
+    y = torch.randn(2, 1, 8)
+    logits = head(y)[:, -1]
+    deferred = replay.deferred(logits, frozenset({1}))
+    assert deferred is not None and deferred.argmax(1) == int(logits[1].argmax())
+    replay.disarm()
+    head(y)
+    assert replay.deferred(logits, frozenset({1})) is None
+    replay.close()
+
+
+def test_another_hook_on_the_head_stops_deferral_for_as_long_as_it_is_there():
+    """A tap that changes what the head gives (as a write to ``unembed.hook_out`` would) is not in
+    a recomputation of the head: while such a hook is on the head, no argmax is deferred."""
+    head = torch.nn.Linear(8, 16, bias=False)
+    model = type("Tiny", (), {"get_output_embeddings": lambda self: head})()
+    replay = HeadReplay(model)
+    x = torch.randn(3, 1, 8)
+    handle = head.register_forward_hook(lambda module, args, out: out * 2)
+    replay.arm()
+    logits = head(x)[:, -1]
+    assert replay.deferred(logits, frozenset({0})) is None and replay.exact is None
+    handle.remove()
+    replay.arm()
+    logits = head(x)[:, -1]
+    assert replay.deferred(logits, frozenset({0})) is not None and replay.exact is True
+    replay.close()
 
 
 def test_no_head_input_no_deferral():
