@@ -100,7 +100,11 @@ class RequestMachine:
         self._host: Any = None  # the newest forward's HostLogits, when its mods may read logits
         self._host_row = -1  # this request's row in it
         self._read_logits = False  # its mods read the last forward's logits: copy the next ahead
-        self._handed_back = False  # its mod handed back logits of its own last step (forward_row)
+        # how many steps in a row its mod has handed back logits of its own, and how many its runner
+        # waits for before it defers the argmax (forward_row); doubled each time a deferral cost a
+        # recomputation, so a mod that hands rows back only now and then costs few of them
+        self._handed_back = 0
+        self._defer_after = 1
         self._calls: LoopCalls | None = None  # the loop's runner (start): the loop drives its Prefilled
         self._forward_index = -1  # the payload index of the step's ForwardPass (forward_calls)
         self._unsampled: StepPlan | None = None  # a step that adds tokens without a sample (after_forward)
@@ -213,7 +217,8 @@ class RequestMachine:
         # a mod that handed back logits of its own last step likely does again, and then the argmax
         # found before it is never read: the runner may leave it to be found only if it is
         # (RowOutput.deferred_argmax; with top log-probs it is read off them, nearly free)
-        defer = argmax and self._handed_back and not self._mod_free and not self._wants_top
+        defer = (argmax and self._handed_back >= self._defer_after and not self._mod_free
+                 and not self._wants_top)
         return ForwardRow(state.request_id, start, tuple(tokens), self._plans[prefill], steer, layer, table,
                           self._wants_top, argmax, defer_argmax=defer)
 
@@ -314,7 +319,7 @@ class RequestMachine:
         state = self.state
         calls = state.manager.records(made, keep_silent=False) if made else []
         plan = self.actions.apply_forward_pass_actions(self._items(self._forward_index, calls))
-        self._handed_back = plan.logits is not None
+        self._handed_back = self._handed_back + 1 if plan.logits is not None else 0
         if state.finish is not None:
             return None
         if plan.unchecked is not None:  # the row a mod handed back is checked just before the draw
@@ -470,6 +475,7 @@ class RequestMachine:
             if argmax is None and self._host is not None and self._host.was_lent(self._host_row) \
                     and output.argmax_deferred:  # type: ignore[union-attr]
                 argmax = output.deferred_argmax()  # type: ignore[union-attr]
+                self._defer_after = min(2 * self._defer_after, _MOST_DEFER_AFTER)
         if not (params.needs_history or params.needs_generated):
             return SampleRow(logits, params, state.generator, None, request.logprobs, None, suppress, mask, source,
                              output.batch_top if source is not None else None, argmax)  # type: ignore[union-attr]
@@ -717,4 +723,5 @@ class Unsettled:
 
 
 _SAMPLED_ADDED = (Sampled, Added)
+_MOST_DEFER_AFTER = 1024  # hand-backs in a row before a deferral, at most (RequestMachine._defer_after)
 _NO_ACTIONS = StepPlan()  # a step no mod acted on (never changed: read only)
