@@ -80,9 +80,11 @@ def _asked_argmax(logits: torch.Tensor, rows: Sequence[ForwardRow], top: tuple[A
     now = [b for b, r in enumerate(rows) if r.argmax and b not in deferred.rows]
     if not now:
         return [None] * len(rows), deferred
-    # a few rows are gathered and searched; most of the batch is searched in place
-    found = first_max_ids(logits, None, now) if 2 * len(now) < len(rows) else first_max_ids(logits)
-    picked = dict(zip(now, found)) if len(found) == len(now) else {b: found[b] for b in now}
+    if 2 * len(now) < len(rows):  # a few rows: gathered and searched
+        picked = dict(zip(now, first_max_ids(logits, None, now)))
+    else:  # most of the batch: searched in place
+        every = first_max_ids(logits)
+        picked = {b: every[b] for b in now}
     return [picked.get(b) for b in range(len(rows))], deferred
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
 from engine.model.backend import DeferredArgmax
@@ -236,6 +237,30 @@ def test_another_hook_on_the_head_stops_deferral_for_as_long_as_it_is_there():
     replay.arm()
     logits = head(x)[:, -1]
     assert replay.deferred(logits, frozenset({0})) is not None and replay.exact is True
+    replay.close()
+
+
+@pytest.mark.parametrize("searched_now", [1, 3])
+def test_the_runner_searches_the_rows_that_do_not_defer_and_leaves_the_others(searched_now):
+    """A batch of six rows, each asking its argmax: those that may defer are left None and found
+    on demand; the others are searched at once, gathered when they are few, in place when most."""
+    from engine.model.backend import ForwardRow
+    from engine.model.hf import _asked_argmax
+
+    torch.manual_seed(1)
+    head = torch.nn.Linear(8, 300, bias=False)
+    model = type("Tiny", (), {"get_output_embeddings": lambda self: head})()
+    replay = HeadReplay(model)
+    replay.arm()
+    logits = head(torch.randn(6, 1, 8))[:, -1]
+    rows = [ForwardRow(f"r{b}", 0, (1,), argmax=True, defer_argmax=b >= searched_now) for b in range(6)]
+    rows[-1] = ForwardRow("r5", 0, (1,), argmax=False)  # a row that did not ask
+    expected = logits.argmax(dim=-1).tolist()
+    found, deferred = _asked_argmax(logits, rows, None, replay)
+    assert deferred is not None and deferred.rows == frozenset(range(searched_now, 5))
+    assert found == expected[:searched_now] + [None] * (6 - searched_now)
+    logits.fill_(0.0)  # a mod's writes, say: the deferred rows are found in the logits recomputed
+    assert [deferred.argmax(b) for b in range(searched_now, 5)] == expected[searched_now:5]
     replay.close()
 
 
