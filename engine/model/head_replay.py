@@ -11,10 +11,10 @@ and keep the head's input instead (a ``(B, 1, d)`` tensor, no copy). Should the 
 row back after all, :class:`~engine.model.backend.DeferredArgmax` recomputes the batch's logits
 from it — the same head on the same input, under the same inference mode, on the same thread, so
 the same GEMM — and searches them (one more head multiplication: the request's machine then waits
-for twice as many hand-backs in a row before it lets the runner defer again). The first time it is used, the recomputed logits are compared
-with the forward's own, bit for bit: a model whose logits are more than its head's output (Gemma's
-final soft-capping, a scale) or a GEMM that does not repeat itself fails the comparison, and from
-then on nothing is deferred.
+for twice as many hand-backs in a row before it lets the runner defer again). The first time it is
+used, the recomputed logits are compared with the forward's own, bit for bit: a model whose logits
+are more than its head's output (Gemma's final soft-capping, a scale) or a GEMM that does not
+repeat itself fails the comparison, and from then on nothing is deferred.
 """
 
 from __future__ import annotations

@@ -73,8 +73,9 @@ def _asked_argmax(logits: torch.Tensor, rows: Sequence[ForwardRow], top: tuple[A
         return None, None
     deferred = None
     if replay is not None and top is None:
-        later = frozenset(b for b, r in enumerate(rows) if r.argmax and r.defer_argmax)
-        deferred = replay.deferred(logits, later) if later else None
+        if any(r.defer_argmax for r in rows):  # (a mod-free batch asks none: no set built)
+            later = frozenset(b for b, r in enumerate(rows) if r.argmax and r.defer_argmax)
+            deferred = replay.deferred(logits, later) if later else None
     if deferred is None:
         return [found if row.argmax else None for found, row in zip(first_max_ids(logits, top), rows)], None
     now = [b for b, r in enumerate(rows) if r.argmax and b not in deferred.rows]
